@@ -1,0 +1,155 @@
+"""The collectives the course uses, each one counted.
+
+Every parallel technique is a choice of which collective moves which tensor when. To put
+a measured number next to a technique's cost formula, each wrapper here records the call
+and the bytes of the real tensor this rank hands to it, into a `CommCounter` that the
+caller owns (usually `mesh.counter`). Nothing is estimated: a tensor of 1 MiB passed to
+`all_reduce` counts 1 MiB, whatever algorithm the backend then runs.
+
+What "payload bytes" means for each operation (bytes of the data this rank contributes):
+
+    all_reduce, reduce          the tensor
+    broadcast, scatter          the tensor(s) on the source rank, 0 elsewhere
+    all_gather                  this rank's input shard (the output is world times larger)
+    reduce_scatter              this rank's full input (the output is world times smaller)
+    gather                      this rank's tensor
+    all_to_all                  this rank's whole input
+    send / recv                 the tensor / 0
+
+The wire traffic of an algorithm is a multiple of these: a ring all-reduce of S bytes
+sends 2 (N-1)/N * S per rank (Playbook, "A quick focus on collective operations").
+Chapter 00 measures that directly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+# torch 2.13 renamed the *_tensor collectives to *_single; 2.11 (our GPU machine) only has the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommCounter:
+    """Calls and payload bytes per operation, for this rank. Owned by the caller, never global."""
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def record(self, op: str, nbytes: int) -> None:
+        self.calls[op] += 1
+        self.bytes[op] += int(nbytes)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def snapshot(self) -> dict:
+        """A plain dict ({op: (calls, bytes)}) that can be returned from a rank."""
+        return {op: (self.calls[op], self.bytes[op]) for op in sorted(self.calls)}
+
+    def table(self) -> str:
+        rows = [f"{'operation':<16}{'calls':>8}{'payload MiB':>14}"]
+        rows += [f"{op:<16}{calls:>8}{nbytes / 2**20:>14.3f}" for op, (calls, nbytes) in self.snapshot().items()]
+        return "\n".join(rows)
+
+    def __repr__(self) -> str:
+        return f"CommCounter({self.snapshot()})"
+
+
+def _count(counter: CommCounter | None, op: str, *tensors: torch.Tensor) -> None:
+    if counter is not None:
+        counter.record(op, sum(t.numel() * t.element_size() for t in tensors))
+
+
+def all_reduce(tensor, group=None, op=ReduceOp.SUM, *, counter=None, async_op=False):
+    """Every rank ends with the reduction (sum by default) of everyone's `tensor`, in place."""
+    _count(counter, "all_reduce", tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor, src, group=None, *, counter=None, async_op=False):
+    """Every rank ends with global rank `src`'s `tensor`, in place."""
+    _count(counter, "broadcast", *([tensor] if dist.get_rank() == src else []))
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def reduce(tensor, dst, group=None, op=ReduceOp.SUM, *, counter=None, async_op=False):
+    """Global rank `dst` ends with the reduction of everyone's `tensor`; the others' are scratch."""
+    _count(counter, "reduce", tensor)
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+
+
+def all_gather(output, input, group=None, *, counter=None, async_op=False):
+    """`output` (world x input's numel, rank-major) gets every rank's `input`."""
+    _count(counter, "all_gather", input)
+    return _all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter(output, input, group=None, op=ReduceOp.SUM, *, counter=None, async_op=False):
+    """Reduce everyone's `input` and give rank i the i-th 1/world slice of it in `output`."""
+    _count(counter, "reduce_scatter", input)
+    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, *, counter=None, async_op=False):
+    """Global rank `dst` gets every rank's `tensor` in `gather_list` (None on other ranks)."""
+    _count(counter, "gather", tensor)
+    return dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, *, counter=None, async_op=False):
+    """Rank i gets `scatter_list[i]` from global rank `src` in `tensor`."""
+    _count(counter, "scatter", *(scatter_list or []))
+    return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
+
+
+def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, *,
+               counter=None, async_op=False):
+    """Rank i sends the j-th chunk of `input` to rank j and receives rank j's i-th chunk."""
+    _count(counter, "all_to_all", input)
+    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                  group=group, async_op=async_op)
+
+
+def send(tensor, dst, group=None, *, counter=None):
+    _count(counter, "send", tensor)
+    dist.send(tensor, dst=dst, group=group)
+
+
+def recv(tensor, src, group=None, *, counter=None):
+    _count(counter, "recv")
+    dist.recv(tensor, src=src, group=group)
+
+
+def send_recv(send_tensor, dst, recv_tensor, src, group=None, *, counter=None):
+    """Send to `dst` and receive from `src` at the same time (a ring step); both block until done.
+
+    Posting both before waiting is what keeps a ring from deadlocking: if every rank first
+    sent and only then received, every rank would wait for a receiver that is itself sending.
+    """
+    _count(counter, "send", send_tensor)
+    ops = [dist.P2POp(dist.isend, send_tensor, dst, group), dist.P2POp(dist.irecv, recv_tensor, src, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+
+
+def wait_all(requests: Iterable) -> None:
+    for request in requests:
+        if request is not None:
+            request.wait()

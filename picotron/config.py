@@ -1,0 +1,186 @@
+"""Configuration: what model, how it is split over ranks, how it is trained.
+
+Three plain dataclasses travel through the code explicitly (no globals, no environment
+variables): `ModelConfig` (the shape of the Llama-style decoder), `ParallelConfig` (the
+dp x pp x cp x tp grid) and `TrainConfig` (batch, steps, optimizer). `Config` groups them
+and reads/writes the JSON files in configs/, whose sections are "model", "parallel" and
+"train".
+
+`validate(config, world_size)` rejects every impossible combination with a message that
+names the values and the fix, so a bad config fails at start-up instead of hanging a
+collective later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 512          # SwiGLU inner width
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2          # < heads: grouped-query attention (GQA)
+    head_dim: int | None = None           # None: hidden_size // num_attention_heads
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None      # {"rope_type": "llama3", "factor": 8.0, ...} or None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        """A named shape: "tiny" (about 1M parameters, trains in seconds on a CPU) up to "llama3-8b"."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**PRESETS[name])
+
+    def num_params(self) -> int:
+        """Parameter count from the shape alone (embedding counted once when tied)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attention = h * self.num_attention_heads * self.head_dim * 2 + h * kv * 2  # q, o, k, v
+        mlp = 3 * h * self.intermediate_size                                       # gate, up, down
+        layer = attention + mlp + 2 * h                                            # + two RMSNorms
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embeddings + h                            # + final norm
+
+
+# Shapes of public checkpoints (their config.json files on the Hugging Face hub).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(),
+    "smollm-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                        num_attention_heads=9, num_key_value_heads=3, max_seq_len=2048),
+    "smollm-360m": dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_layers=32,
+                        num_attention_heads=15, num_key_value_heads=5, max_seq_len=2048),
+    "smollm-1.7b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_layers=24,
+                        num_attention_heads=32, num_key_value_heads=32, max_seq_len=2048),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_seq_len=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False),
+}
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the process grid. World size = dp * pp * cp * tp.
+
+    Rank order (see picotron/mesh.py): tp innermost (fastest links), then cp, then dp,
+    pp outermost.
+    """
+
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+
+@dataclass
+class TrainConfig:
+    """How to train: batch, sequence, optimizer and logging."""
+
+    seed: int = 0
+    steps: int = 200
+    micro_batch_size: int = 8             # sequences per rank per micro-batch
+    grad_accum_steps: int = 1             # micro-batches per optimizer step
+    seq_len: int = 64
+    lr: float = 3e-3
+    min_lr: float = 3e-4                  # end of the cosine decay
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0                # max global gradient norm; 0 disables clipping
+    dataset: str = "arithmetic"           # "arithmetic" (built in) or a path to .txt / .jsonl files
+    log_every: int = 10
+    eval_every: int = 0                   # 0: evaluate task accuracy only at the end
+    backend: str = "auto"                 # "auto", "gloo" or "nccl"
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one data-parallel rank processes per optimizer step."""
+        return self.micro_batch_size * self.grad_accum_steps * self.seq_len
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        unknown = set(data) - {"model", "parallel", "train"}
+        if unknown:
+            raise ValueError(f"unknown config sections {sorted(unknown)}; use 'model', 'parallel' and 'train'")
+        model = dict(data.get("model", {}))
+        preset = model.pop("preset", None)
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+        base = PRESETS[preset] if preset else {}
+        return cls(model=_build(ModelConfig, {**base, **model}),
+                   parallel=_build(ParallelConfig, data.get("parallel", {})),
+                   train=_build(TrainConfig, data.get("train", {})))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Config":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _build(kind: type, values: dict) -> Any:
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"unknown {kind.__name__} fields {sorted(unknown)}; valid fields: {sorted(names)}")
+    if "betas" in values:
+        values = {**values, "betas": tuple(values["betas"])}
+    return kind(**values)
+
+
+def validate(config: Config, world_size: int | None = None) -> None:
+    """Raise ValueError naming the problem and the fix for any impossible combination."""
+    m, p, t = config.model, config.parallel, config.train
+    for name in ("dp", "pp", "cp", "tp"):
+        if getattr(p, name) < 1:
+            raise ValueError(f"{name}={getattr(p, name)} must be at least 1")
+    if world_size is not None and p.world_size != world_size:
+        raise ValueError(f"dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*{p.tp} = {p.world_size} but the world has "
+                         f"{world_size} ranks; change the sizes or launch {p.world_size} ranks")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ValueError(f"num_key_value_heads={m.num_key_value_heads} does not divide "
+                         f"num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % p.tp:
+        raise ValueError(f"tp={p.tp} does not divide num_attention_heads={m.num_attention_heads}")
+    if m.num_key_value_heads % p.tp:
+        raise ValueError(f"tp={p.tp} does not divide num_key_value_heads={m.num_key_value_heads}")
+    if m.intermediate_size % p.tp:
+        raise ValueError(f"tp={p.tp} does not divide intermediate_size={m.intermediate_size}")
+    if p.pp > m.num_layers:
+        raise ValueError(f"pp={p.pp} is larger than num_layers={m.num_layers}: a stage needs at least one layer")
+    if t.seq_len > m.max_seq_len:
+        raise ValueError(f"seq_len={t.seq_len} is longer than max_seq_len={m.max_seq_len}; raise max_seq_len")
+    if t.seq_len % p.cp:
+        raise ValueError(f"cp={p.cp} does not divide seq_len={t.seq_len}")
+    if t.micro_batch_size < 1 or t.grad_accum_steps < 1 or t.steps < 0:
+        raise ValueError("micro_batch_size and grad_accum_steps must be >= 1 and steps >= 0")
+    if t.backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend={t.backend!r}; choose 'auto', 'gloo' or 'nccl'")

@@ -1,0 +1,186 @@
+"""The Llama decoder: shapes, causality, parameter count, and logits equal to transformers' Llama."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from picotron.config import PRESETS, ModelConfig
+from picotron.hf import config_from_hf, load_hf_llama
+from picotron.model import Llama, loss_fn
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_seq_len=32)
+
+
+def small_model(**overrides) -> Llama:
+    torch.manual_seed(0)
+    return Llama(ModelConfig(**{**SMALL, **overrides}))
+
+
+def test_logits_shape_and_dtype():
+    logits = small_model()(torch.randint(0, 64, (3, 10)))
+    assert logits.shape == (3, 10, 64) and logits.dtype == torch.float32
+
+
+def test_causal_future_token_does_not_change_past_logits():
+    model = small_model()
+    ids = torch.randint(0, 64, (2, 16))
+    changed = ids.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 64
+    before, after = model(ids), model(changed)
+    torch.testing.assert_close(before[:, :9], after[:, :9], rtol=0, atol=0)
+    assert (before[:, 9:] - after[:, 9:]).abs().max() > 1e-4
+
+
+def test_rope_depends_only_on_relative_positions():
+    # Shifting every position by the same offset leaves q.k unchanged: what context
+    # parallelism relies on when a rank's positions do not start at 0.
+    model = small_model()
+    ids = torch.randint(0, 64, (2, 12))
+    shifted = model(ids, position_ids=torch.arange(12) + 7)
+    torch.testing.assert_close(shifted, model(ids), rtol=1e-5, atol=1e-5)
+    per_row = model(ids, position_ids=torch.stack([torch.arange(12), torch.arange(12) + 20]))
+    torch.testing.assert_close(per_row, model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_too_long_sequence_is_refused():
+    with pytest.raises(ValueError, match="max_seq_len=32"):
+        small_model()(torch.zeros(1, 33, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_num_params_matches_config_on_meta(name):
+    config = ModelConfig.preset(name)
+    with torch.device("meta"):
+        model = Llama(config)
+    assert model.num_params() == config.num_params()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("tied", [True, False])
+def test_gqa_and_tied_variants_train(kv_heads, tied):
+    model = small_model(num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+    assert (model.lm_head.weight is model.embed.weight) == tied
+    assert model.num_params() == model.config.num_params()
+    ids = torch.randint(0, 64, (2, 8))
+    loss = loss_fn(model(ids[:, :-1]), ids[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_init_is_seeded_and_scales_output_projections():
+    a, b = small_model(), small_model()
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    big = small_model(hidden_size=128, intermediate_size=512, num_layers=8)
+    expected = 0.02 / math.sqrt(2 * 8)
+    assert big.layers[0].attn.o_proj.weight.std().item() == pytest.approx(expected, rel=0.05)
+    assert big.layers[0].mlp.down_proj.weight.std().item() == pytest.approx(expected, rel=0.05)
+    assert big.layers[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_meta_build_then_to_empty_and_init_weights_equals_direct_build():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Llama(ModelConfig(**SMALL))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    assert model.lm_head.weight is model.embed.weight
+    direct = small_model()      # its __init__ drew from the RNG too (nn.Linear's own init): reseed
+    torch.manual_seed(0)
+    direct.init_weights()
+    ids = torch.randint(0, 64, (2, 8))
+    torch.testing.assert_close(model(ids), direct(ids), rtol=0, atol=0)
+
+
+def test_loss_of_uniform_logits_is_log_vocab():
+    assert loss_fn(torch.zeros(2, 5, 64), torch.randint(0, 64, (2, 5))).item() == pytest.approx(math.log(64))
+
+
+def test_unknown_rope_type_is_refused():
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        small_model(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+
+
+# ---- Hugging Face checkpoints ------------------------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def save_hf_llama(folder, tied=False, rope=None, **save_kwargs):
+    """A small random transformers LlamaForCausalLM saved to `folder`; returns the model."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied, rms_norm_eps=1e-5,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():   # larger than the 0.02 init, and norms != 1, so a wrong mapping shows
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.save_pretrained(folder, **save_kwargs)
+    return model
+
+
+@pytest.mark.parametrize("tied, rope, shard", [(True, None, None), (False, None, None),
+                                               (False, LLAMA3_ROPE, None), (True, LLAMA3_ROPE, "40KB")])
+def test_logits_equal_transformers(tmp_path, tied, rope, shard):
+    hf_model = save_hf_llama(tmp_path, tied=tied, rope=rope, **({"max_shard_size": shard} if shard else {}))
+    if shard:
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    model = load_hf_llama(tmp_path)
+    assert (model.lm_head.weight is model.embed.weight) == tied
+    assert model.config.rope_scaling == (None if rope is None else {k: v for k, v in rope.items() if k != "rope_theta"})
+    ids = torch.randint(0, 256, (2, 100))      # beyond original_max_position_embeddings=32
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        actual = model(ids)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_config_from_old_transformers_layout():
+    old = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+           "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0}}
+    config = config_from_hf(old)
+    assert (config.num_key_value_heads, config.head_dim, config.rope_theta) == (4, 16, 500000.0)
+    assert config.rope_scaling["original_max_position_embeddings"] == 64
+    assert config.tie_word_embeddings is False and config.rms_norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_act", "gelu", "hidden_act='gelu'"),
+    ("attention_bias", True, "attention_bias=True"),
+    ("model_type", "mistral", "model_type='mistral'"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "rope_type='yarn'"),
+])
+def test_unsupported_config_is_refused(tmp_path, key, value, message):
+    save_hf_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_hf_llama(tmp_path)
+
+
+@pytest.mark.parametrize("change", ["drop", "add"])
+def test_missing_or_unexpected_tensor_is_refused(tmp_path, change):
+    from safetensors.torch import load_file, save_file
+
+    save_hf_llama(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    if change == "drop":
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        message = r"missing tensors \['layers.1.mlp.up_proj.weight'\]"
+    else:
+        tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+        message = r"unexpected tensors \['layers.0.attn.q_proj.bias'\]"
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        load_hf_llama(tmp_path)
