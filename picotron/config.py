@@ -162,9 +162,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
     for name in ("dp", "pp", "cp", "tp"):
         if getattr(p, name) < 1:
             raise ValueError(f"{name}={getattr(p, name)} must be at least 1")
-    if world_size is not None and p.world_size != world_size:
-        raise ValueError(f"dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*{p.tp} = {p.world_size} but the world has "
-                         f"{world_size} ranks; change the sizes or launch {p.world_size} ranks")
     if m.num_attention_heads % m.num_key_value_heads:
         raise ValueError(f"num_key_value_heads={m.num_key_value_heads} does not divide "
                          f"num_attention_heads={m.num_attention_heads}")
@@ -184,3 +181,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
         raise ValueError("micro_batch_size and grad_accum_steps must be >= 1 and steps >= 0")
     if t.backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend={t.backend!r}; choose 'auto', 'gloo' or 'nccl'")
+    if world_size is not None and p.world_size != world_size:
+        raise ValueError(f"dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*{p.tp} = {p.world_size} but the world has "
+                         f"{world_size} ranks; change the sizes or launch {p.world_size} ranks")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import random
 import select
 import selectors
@@ -60,10 +61,13 @@ def backend_for(world_size: int) -> str:
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device this rank computes on: its own GPU under NCCL (or in a single process on a
+    GPU machine), else the CPU."""
+    if dist.is_initialized():
+        on_gpu = dist.get_backend() == "nccl"
+    else:
+        on_gpu = torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
 def seed_everything(seed: int) -> None:
@@ -76,13 +80,14 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def run(fn: Callable, world_size: int, *, args: tuple = (), timeout: float = 180,
-        seed: int = 0, backend: str = "auto") -> list:
-    """Call `fn(*args)` on `world_size` ranks and return the per-rank results."""
+def run(fn: Callable, world_size: int, *, args: tuple = (), kwargs: dict | None = None,
+        timeout: float = 180, seed: int = 0, backend: str = "auto") -> list:
+    """Call `fn(*args, **kwargs)` on `world_size` ranks and return the per-rank results."""
+    kwargs = kwargs or {}
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_in_place(fn, world_size, args, seed, backend)
+        return _run_in_place(fn, world_size, args, kwargs, seed, backend)
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; "
                            "call run() from a process that has none (or under torchrun)")
@@ -92,7 +97,7 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), timeout: float = 180
                            "Restart the kernel and call run() before any CUDA work in the parent "
                            "(do GPU work inside the function you pass to run).")
     _say_backend_once(backend, world_size)
-    return _Launch(fn, world_size, args, timeout, seed, backend).go()
+    return _Launch(fn, world_size, args, kwargs, timeout, seed, backend).go()
 
 
 _told: set = set()
@@ -106,7 +111,7 @@ def _say_backend_once(backend: str, world_size: int) -> None:
               f"({gpus} GPU{'s' if gpus != 1 else ''} here, fewer than {world_size})")
 
 
-def _run_in_place(fn: Callable, world_size: int, args: tuple, seed: int, backend: str) -> list:
+def _run_in_place(fn: Callable, world_size: int, args: tuple, kwargs: dict, seed: int, backend: str) -> list:
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(f"run(world_size={world_size}) under torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}; "
                          f"launch torchrun with --nproc-per-node {world_size}")
@@ -116,7 +121,7 @@ def _run_in_place(fn: Callable, world_size: int, args: tuple, seed: int, backend
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
     seed_everything(seed)
-    result = fn(*args)
+    result = fn(*args, **kwargs)
     results: list = [None] * world_size
     dist.all_gather_object(results, result)
     return results
@@ -133,11 +138,12 @@ class _Rank:
     result: bytes = b""
     open_fds: set = field(default_factory=set)
     exit_code: int | None = None
+    redrawing: bool = False  # the last thing printed was a progress-bar redraw without newline
 
 
 class _Launch:
-    def __init__(self, fn, world_size, args, timeout, seed, backend):
-        self.fn, self.world_size, self.args = fn, world_size, args
+    def __init__(self, fn, world_size, args, kwargs, timeout, seed, backend):
+        self.fn, self.world_size, self.args, self.kwargs = fn, world_size, args, kwargs
         self.timeout, self.seed, self.backend = timeout, seed, backend
         self.ranks: list[_Rank] = []
         self.first_failure: _Rank | None = None
@@ -230,7 +236,7 @@ class _Launch:
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.timeout))
         seed_everything(self.seed)
-        result = _to_cpu(self.fn(*self.args))  # a CUDA tensor would initialise CUDA in the parent
+        result = _to_cpu(self.fn(*self.args, **self.kwargs))  # a CUDA tensor would initialise CUDA in the parent
         dist.destroy_process_group()
         return ("ok", result)
 
@@ -290,12 +296,22 @@ class _Launch:
             self._print(r, final=True)
 
     def _print(self, r: _Rank, final: bool = False) -> None:
-        *lines, rest = r.out_buffer.split(b"\n")
-        if final and rest:
-            lines, rest = lines + [rest], b""
-        r.out_buffer = rest
-        for line in lines:
-            print(f"[rank {r.rank}] {line.decode(errors='replace')}", flush=True)
+        """Print the rank's complete lines with a "[rank r]" prefix. A progress bar redraws
+        its line after a carriage return: relay that as a redraw, not as a new line."""
+        pieces = re.split(rb"(\r|\n)", r.out_buffer)  # text, separator, text, ..., unfinished rest
+        r.out_buffer = pieces.pop()
+        if final and r.out_buffer:
+            pieces += [r.out_buffer, b"\n"]
+            r.out_buffer = b""
+        for text, separator in zip(pieces[::2], pieces[1::2]):
+            line = f"[rank {r.rank}] {text.decode(errors='replace')}"
+            if separator == b"\r":
+                if text.strip():
+                    print("\r" + line, end="", flush=True)
+                    r.redrawing = True
+            else:
+                print(("\r" if r.redrawing else "") + line, flush=True)
+                r.redrawing = False
 
     def _raise_timeout(self) -> None:
         stuck = [r.rank for r in self.ranks if not r.result]

@@ -1,0 +1,37 @@
+"""Course tooling: problem sizes, exercise generation, checks and grading.
+
+Every notebook takes its problem sizes from `settings` so they are small on a laptop CPU
+(a chapter runs in about a minute) and larger on GPUs, never from environment variables:
+
+    from picotron.course import settings
+    sizes = settings.sizes(0.25)    # message sizes for a bandwidth curve, ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Problem sizes for the notebooks. `on_gpu` picks the larger ones."""
+
+    on_gpu: bool
+    world_size: int = 4            # ranks a chapter runs on (8 for the 5D chapter)
+    model_preset: str = "tiny"     # model used by the training demos
+    train_steps: int = 30          # steps of the training demos
+    max_message_mib: float = 16.0  # largest message of a bandwidth curve
+    timeout: float = 120.0         # seconds before `run` gives up on the ranks
+    check_timeout: float = 60.0    # seconds before an assignment's check gives up (a ring that deadlocks)
+
+    @classmethod
+    def detect(cls) -> "Settings":
+        if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+            return cls(on_gpu=True, world_size=min(torch.cuda.device_count(), 8), model_preset="smollm-135m",
+                       train_steps=100, max_message_mib=1024.0)
+        return cls(on_gpu=False)
+
+
+settings = Settings.detect()

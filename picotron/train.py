@@ -1,0 +1,229 @@
+"""Train a Llama on N ranks: `python -m picotron.train`.
+
+    python -m picotron.train                           # 4 CPU ranks, data parallel, about a minute
+    python -m picotron.train --dp 2 --steps 50         # overrides on top of the defaults
+    python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
+    torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
+
+Without torchrun it starts the ranks itself (picotron.launch.run); under torchrun each
+process trains in place. Each log line shows the loss, the throughput in tokens/s and the
+model FLOPs utilisation (MFU):
+
+    MFU = (tokens/s * FLOPs per token) / peak FLOP/s
+    FLOPs per token = 6 N + 12 L h s    (N parameters, L layers, h hidden size, s sequence;
+                                         the second term is attention's QK^T and AV; PaLM, App. B)
+
+The peak is the spec-sheet dense bf16 figure on a known GPU (H100 SXM: 989 TFLOP/s), and on
+a CPU a measured fp32 matmul peak of this rank, labelled as such.
+
+So far the trainer runs the data-parallel axis; the other axes join as their chapters land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from picotron import launch
+from picotron.config import Config, ModelConfig, ParallelConfig, validate
+from picotron.data import arithmetic_accuracy, arithmetic_eval_problems, make_loader
+from picotron.mesh import Mesh
+from picotron.model import Llama, loss_fn
+from picotron.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
+
+# Dense bf16 tensor-core peaks from the vendors' spec sheets (without sparsity), FLOP/s.
+GPU_PEAK_FLOPS = {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
+                  "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "RTX 4090": 165e12}
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the weights, 12 L h s for attention (no recomputation)."""
+    return 6 * model.num_params() + 12 * model.num_layers * model.hidden_size * seq_len
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    """(peak FLOP/s, where the figure comes from) for this rank's device."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS.items():  # most specific names first
+            if key in name:
+                return value, f"{key} spec-sheet dense bf16"
+        return measured_matmul_flops(device, torch.bfloat16), f"{name}: measured bf16 matmul"
+    return measured_matmul_flops(device, torch.float32), "measured CPU fp32 matmul"
+
+
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 512, repeats: int = 10) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def lr_at(step: int, config) -> float:
+    """Linear warm-up, then cosine decay to min_lr."""
+    t = config.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float          # mean over the global batch
+    lr: float
+    grad_norm: float
+    seconds: float
+    sample_ids: list = field(default_factory=list)  # windows this rank trained on (for tests)
+
+
+class Trainer:
+    """One model replica and its optimizer; `mesh=None` trains in a single process."""
+
+    def __init__(self, config: Config, mesh: Mesh | None = None):
+        world = mesh.world_size if mesh else 1
+        validate(config, world)
+        p = config.parallel
+        if p.tp > 1 or p.pp > 1 or p.cp > 1:
+            raise NotImplementedError(f"the trainer runs data parallelism only so far (got tp={p.tp}, pp={p.pp}, "
+                                      f"cp={p.cp}); use dp, or the chapters' notebooks for the other axes")
+        self.config, self.mesh = config, mesh
+        self.device = launch.device()
+        torch.manual_seed(config.train.seed)
+        self.model = Llama(config.model).to(self.device)
+        if mesh:
+            broadcast_parameters(self.model, mesh.dp_group, counter=mesh.counter)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
+                                           betas=config.train.betas, weight_decay=config.train.weight_decay)
+        self.loader = make_loader(config.train, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp)
+
+    def train_step(self, step: int) -> StepResult:
+        """Forward and backward over the micro-batches, average gradients over dp, one AdamW step."""
+        t, start = self.config.train, time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss, sample_ids = 0.0, []
+        for micro_step in range(t.grad_accum_steps):
+            batch = self.loader.get_batch(step, micro_step).to(self.device)
+            loss = loss_fn(self.model(batch.input_ids, batch.position_ids), batch.targets) / t.grad_accum_steps
+            loss.backward()
+            local_loss += loss.detach()
+            sample_ids += batch.sample_ids.tolist()
+        if self.mesh:
+            all_reduce_gradients(self.model, self.mesh.dp_group, counter=self.mesh.counter)
+            dist.all_reduce(local_loss, group=self.mesh.dp_group)  # for the log only: not counted
+            local_loss /= self.mesh.dp_size
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
+        lr = lr_at(step, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepResult(step, float(local_loss), lr, float(grad_norm), time.perf_counter() - start, sample_ids)
+
+    @torch.no_grad()
+    def accuracy(self, num_problems: int = 128) -> float:
+        """Held-out addition problems answered exactly (greedy decoding)."""
+        if self.config.train.dataset != "arithmetic":
+            return float("nan")
+        self.model.eval()
+        problems = arithmetic_eval_problems(num_problems, seed=self.config.train.seed + 1)
+        accuracy = arithmetic_accuracy(self.model, problems, device=self.device)
+        self.model.train()
+        return accuracy
+
+
+def train(config: Config, *, progress: bool = True) -> dict:
+    """Train on this rank (a process group must exist if the world has more than one rank)."""
+    mesh = None
+    if dist.is_initialized():
+        p = config.parallel
+        mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp)
+    trainer = Trainer(config, mesh)
+    is_logger = mesh is None or mesh.rank == 0
+    peak, peak_source = peak_flops(trainer.device)
+    world = mesh.world_size if mesh else 1
+    tokens_per_step = config.train.tokens_per_step * config.parallel.dp
+    flops_token = flops_per_token(config.model, config.train.seq_len)
+    history = {"loss": [], "tokens_per_s": [], "mfu": [], "peak_source": peak_source}
+    if is_logger:
+        print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
+              f"dp={config.parallel.dp}, {tokens_per_step} tokens per step; MFU against {peak_source} "
+              f"({peak / 1e9:.1f} GFLOP/s per rank)")
+    bar = tqdm(range(config.train.steps), disable=not (progress and is_logger), file=sys.stdout,
+               mininterval=1.0, ncols=100)
+    for step in bar:
+        result = trainer.train_step(step)
+        tokens_per_s = tokens_per_step / result.seconds
+        mfu = tokens_per_s * flops_token / (peak * world)
+        history["loss"].append(result.loss)
+        history["tokens_per_s"].append(tokens_per_s)
+        history["mfu"].append(mfu)
+        bar.set_postfix(loss=f"{result.loss:.3f}", refresh=False)
+        last = step == config.train.steps - 1
+        if is_logger and (step % config.train.log_every == 0 or last):
+            bar.write(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  "
+                      f"{tokens_per_s:9,.0f} tok/s  MFU {mfu:6.2%}")
+    bar.close()
+    history["accuracy"] = trainer.accuracy()
+    if is_logger:
+        print(f"held-out addition accuracy: {history['accuracy']:.1%}")
+    return history
+
+
+def parse_args(argv: list[str] | None) -> Config:
+    parser = argparse.ArgumentParser(prog="python -m picotron.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="JSON file with 'model', 'parallel' and 'train' sections")
+    parser.add_argument("--preset", help="model shape: tiny, smollm-135m, smollm-360m, smollm-1.7b, llama3-8b")
+    for axis in ("dp", "pp", "cp", "tp"):
+        parser.add_argument(f"--{axis}", type=int)
+    for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "seed", "log_every"):
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    for name in ("lr", "weight_decay"):
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
+    parser.add_argument("--dataset", help="'arithmetic' (built in) or a .txt/.jsonl file or folder")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"])
+    args = parser.parse_args(argv)
+
+    config = Config.from_json(args.config) if args.config else Config(parallel=ParallelConfig(dp=4))
+    if args.preset:
+        config.model = ModelConfig.preset(args.preset)
+    for axis in ("dp", "pp", "cp", "tp"):
+        if getattr(args, axis) is not None:
+            setattr(config.parallel, axis, getattr(args, axis))
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(config.train)
+                 if getattr(args, f.name, None) is not None}
+    config.train = dataclasses.replace(config.train, **overrides)
+    return config
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train with the command line's config: in place for one rank or under torchrun, else on forked ranks."""
+    config = parse_args(argv)
+    validate(config)
+    world = config.parallel.world_size
+    progress = sys.stdout.isatty()  # a progress bar in a terminal; plain log lines in a file or CI log
+    if world == 1 and not dist.is_initialized():
+        return train(config, progress=progress)
+    return launch.run(train, world, args=(config,), kwargs={"progress": progress}, timeout=24 * 3600,
+                      seed=config.train.seed, backend=config.train.backend)[0]
+
+
+if __name__ == "__main__":
+    main()
