@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from picotron import launch
 from picotron.config import Config, ModelConfig, ParallelConfig, validate
-from picotron.data import arithmetic_accuracy, arithmetic_eval_problems, make_loader
+from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
@@ -138,15 +138,13 @@ class Trainer:
         return StepResult(step, float(local_loss), lr, float(grad_norm), time.perf_counter() - start, sample_ids)
 
     @torch.no_grad()
-    def accuracy(self, num_problems: int = 128) -> float:
-        """Held-out addition problems answered exactly (greedy decoding)."""
+    def accuracy(self, num_problems: int = 128) -> dict:
+        """On held-out sums: answers exactly right (greedy), and answer digits right (teacher forced)."""
         if self.config.train.dataset != "arithmetic":
-            return float("nan")
-        self.model.eval()
+            return {}
         problems = arithmetic_eval_problems(num_problems, seed=self.config.train.seed + 1)
-        accuracy = arithmetic_accuracy(self.model, problems, device=self.device)
-        self.model.train()
-        return accuracy
+        return {"exact": arithmetic_accuracy(self.model, problems, device=self.device),
+                "digits": arithmetic_digit_accuracy(self.model, problems, device=self.device)}
 
 
 def train(config: Config, *, progress: bool = True) -> dict:
@@ -182,8 +180,9 @@ def train(config: Config, *, progress: bool = True) -> dict:
                       f"{tokens_per_s:9,.0f} tok/s  MFU {mfu:6.2%}")
     bar.close()
     history["accuracy"] = trainer.accuracy()
-    if is_logger:
-        print(f"held-out addition accuracy: {history['accuracy']:.1%}")
+    if is_logger and history["accuracy"]:
+        print(f"held-out sums: {history['accuracy']['digits']:.1%} of answer digits right, "
+              f"{history['accuracy']['exact']:.1%} of answers exactly right")
     return history
 
 

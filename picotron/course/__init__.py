@@ -4,7 +4,12 @@ Every notebook takes its problem sizes from `settings` so they are small on a la
 (a chapter runs in about a minute) and larger on GPUs, never from environment variables:
 
     from picotron.course import settings
-    sizes = settings.sizes(0.25)    # message sizes for a bandwidth curve, ...
+    run(step, world_size=settings.world_size, timeout=settings.timeout)
+
+The assignments (solutions/ -> exercises/) use the rest of this package:
+`exercises` generates exercises from solutions and strips notebook outputs, `checks` holds
+the check each exercise cell calls, `grade` scores a learner's notebook; the command line
+is `python -m picotron.course generate | check | strip | grade` (see __main__.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,384 @@
+"""The checks the assignments call: run the learner's function on N ranks, compare with plain math.
+
+A check never trusts the picotron module the exercise teaches. It runs the learner's function
+on N ranks with `picotron.launch.run`, computes the expected answer in this (the parent)
+process with single-process torch (the plain sum of every rank's tensor, ...), prints one
+row per case (expected, actual, error, pass/fail) and raises AssertionError when any case
+failed, so a check cell fails under nbval and in the grader whatever its table says.
+
+An unsolved exercise raises NotImplementedError on every rank; `run` re-raises that type in
+the parent and the check lets it through, so each check cell fails on its own until solved.
+
+Adding the check of a chapter (one function per exercise, in a section of this file):
+
+    def check_zero1_step(zero1_step):
+        with Report("zero1_step") as report:                    # prints + raises on exit
+            for world in (2, 4):
+                got = on_ranks(_zero1_on_rank, world, zero1_step)  # the learner's code, N ranks
+                want = ...                                         # one process, plain torch
+                report.add(ok=close_enough(got, want), world=world,
+                           max_abs_err=max_abs_error(got, want))
+
+    def _zero1_on_rank(zero1_step):                             # module level: runs in each rank
+        with only_point_to_point("zero1_step") as sent:          # if the exercise builds a collective
+            ...
+        return result, sent.bytes
+
+Tools: `rank_tensor` (per-rank data the parent can recompute), `close_enough` /
+`max_abs_error` / `mismatch` (tolerance per dtype; where two tensors differ most, for the
+`detail` of a failed row), `only_point_to_point` (collectives raise inside the block; bytes
+sent point-to-point are counted), `on_ranks` (run with the course timeout).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from picotron.course import settings
+from picotron.launch import device, run
+
+__all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "max_abs_error", "mismatch", "on_ranks",
+           "only_point_to_point", "check_chunk_to_send", "check_reduce_scatter_phase",
+           "check_all_gather_phase", "check_ring_all_reduce"]
+
+# (atol, rtol) per dtype: the ring adds in another order than the parent, so float32 results
+# differ from the plain sum by a few ulps; 1e-5 leaves room for that and for nothing else.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
+
+
+# ---- reporting ----------------------------------------------------------------------------
+class Report:
+    """One row per case; on leaving the `with` block, print the table and raise if a row failed.
+
+    An exception raised inside the block (NotImplementedError from an unsolved exercise, a
+    rank's crash) goes through untouched and no table is printed.
+    """
+
+    def __init__(self, title: str, note: str = ""):
+        self.title, self.note = title, note
+        self.rows: list[tuple[dict, bool, str]] = []
+
+    def add(self, ok: bool, detail: str = "", **columns) -> None:
+        """Record a case: `columns` are shown in the table (`**{"sent (B)": n}` for a header that is not
+        a name), `detail` only under the table when the case failed."""
+        self.rows.append((columns, bool(ok), detail))
+
+    def __enter__(self) -> "Report":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> bool:
+        if kind is None:
+            self.finish()
+        return False
+
+    def table(self) -> str:
+        names = list(dict.fromkeys(name for columns, _, _ in self.rows for name in columns))
+        cells = [[_show(columns.get(name, "")) for name in names] + ["ok" if ok else "FAIL"]
+                 for columns, ok, _ in self.rows]
+        header = [name.replace("_", " ") for name in names] + ["result"]
+        widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
+        lines = ["  ".join(text.rjust(width) for text, width in zip(row, widths)) for row in [header, *cells]]
+        passed = sum(ok for _, ok, _ in self.rows)
+        title = f"check {self.title}: {passed}/{len(self.rows)} cases passed"
+        return "\n".join([title, *([self.note] if self.note else []), *lines])
+
+    def finish(self) -> None:
+        print(self.table())
+        failed = [(columns, detail) for columns, ok, detail in self.rows if not ok]
+        for columns, detail in failed[:4]:
+            print(f"  FAIL {_where(columns)}" + (f"\n       {detail}" if detail else ""))
+        if not self.rows:
+            raise AssertionError(f"{self.title}: the check ran no case")
+        if failed:
+            columns, detail = failed[0]
+            raise AssertionError(f"{self.title}: {len(failed)} of {len(self.rows)} cases failed (table above). "
+                                 f"First: {_where(columns)}. {detail}")
+
+
+def _where(columns: dict) -> str:
+    return ", ".join(f"{name}={_show(value)}" for name, value in columns.items())
+
+
+def _show(value) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.2e}"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, torch.Tensor):
+        return preview(value)
+    return str(value)
+
+
+def preview(t: torch.Tensor, n: int = 4) -> str:
+    """The first `n` values of a tensor, for a failure message."""
+    values = ", ".join(f"{v:.4g}" for v in t.detach().flatten()[:n].tolist())
+    return f"[{values}{', ...' if t.numel() > n else ''}]"
+
+
+def mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """Where two tensors differ most, and their first values, for a failure message."""
+    if actual.shape != expected.shape:
+        return f"expected shape {tuple(expected.shape)}, got {tuple(actual.shape)}"
+    diff = (actual.double() - expected.double()).abs().flatten().nan_to_num(math.inf)
+    worst = int(diff.argmax())
+    return (f"worst at element {worst}: expected {expected.flatten()[worst].item():.6g}, "
+            f"got {actual.flatten()[worst].item():.6g} (first values: expected {preview(expected)}, "
+            f"got {preview(actual)})")
+
+
+# ---- data and comparison -------------------------------------------------------------------
+def rank_tensor(rank: int, shape: tuple, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random data that differs per rank and per seed, and that the parent can recompute."""
+    generator = torch.Generator().manual_seed(1_000_003 * seed + rank)
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if actual.shape != expected.shape:
+        return math.inf
+    if actual.numel() == 0:
+        return 0.0
+    return (actual.double() - expected.double()).abs().max().item()
+
+
+def close_enough(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Equal within the tolerance of `dtype` (default: `actual`'s), shapes equal, no NaN."""
+    atol, rtol = TOLERANCE.get(dtype or actual.dtype, (1e-5, 1e-5))
+    return actual.shape == expected.shape and torch.allclose(actual.double(), expected.double(), rtol=rtol, atol=atol)
+
+
+def on_ranks(fn: Callable, world_size: int, *args) -> list:
+    """`run` with the course's check timeout: a ring that deadlocks fails in a minute, not three."""
+    return run(fn, world_size, args=args, timeout=settings.check_timeout)
+
+
+# ---- point-to-point only -------------------------------------------------------------------
+class CollectiveNotAllowed(AssertionError):
+    """The learner called a collective in an exercise that builds one from send and recv."""
+
+
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
+               "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced", "all_gather_object",
+               "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+               "_reduce_scatter_base", "all_to_all", "all_to_all_single", "gather", "scatter",
+               "broadcast_object_list", "gather_object", "scatter_object_list")
+
+
+class SentBytes:
+    """Bytes this rank handed to send/isend inside an `only_point_to_point` block."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._in_send = False  # dist.send may call dist.isend itself: count it once
+
+
+@contextmanager
+def only_point_to_point(what: str, answers: tuple[str, ...] = ()) -> Iterator[SentBytes]:
+    """Inside the block, collectives raise CollectiveNotAllowed and point-to-point sends are counted.
+
+    Use it in a rank around the learner's call when the exercise is to build a collective from
+    send/recv. Both `torch.distributed` and its `distributed_c10d` module are patched (P2POp
+    checks its op against the latter), and so are picotron.comm's bound shortcuts; `answers`
+    names picotron.comm functions that would do the exercise for the learner (they raise too).
+    Everything is restored on the way out.
+    """
+    import picotron.comm as comm
+
+    sent = SentBytes()
+    isend, send = c10d.isend, c10d.send
+
+    @functools.wraps(isend)
+    def counted_isend(tensor, *args, **kwargs):
+        if not sent._in_send:
+            sent.bytes += tensor.numel() * tensor.element_size()
+        return isend(tensor, *args, **kwargs)
+
+    @functools.wraps(send)
+    def counted_send(tensor, *args, **kwargs):
+        sent.bytes += tensor.numel() * tensor.element_size()
+        sent._in_send = True
+        try:
+            return send(tensor, *args, **kwargs)
+        finally:
+            sent._in_send = False
+
+    def forbidden(name: str, why: str = "the collective") -> Callable:
+        def call(*args, **kwargs):
+            raise CollectiveNotAllowed(f"{what} must use point-to-point operations only (picotron.comm.send_recv, "
+                                       f"dist.send/recv, dist.isend/irecv, dist.batch_isend_irecv), "
+                                       f"but it called {why} {name}")
+        return call
+
+    patches = [(module, name, forbidden(f"dist.{name}")) for name in COLLECTIVES
+               for module in (dist, c10d) if hasattr(module, name)]
+    patches += [(comm, name, forbidden(f"picotron.comm.{name.strip('_')}"))
+                for name in ("_all_gather_single", "_reduce_scatter_single") if hasattr(comm, name)]
+    patches += [(comm, name, forbidden(f"picotron.comm.{name}", "the course's own answer,"))
+                for name in answers if hasattr(comm, name)]
+    patches += [(module, "isend", counted_isend) for module in (dist, c10d)]
+    patches += [(module, "send", counted_send) for module in (dist, c10d)]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, replacement in patches:
+            setattr(module, name, replacement)
+        yield sent
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+# ==== 00 collectives: a ring all-reduce from send and recv ====================================
+# Chunk schedule of the ring (Playbook, "A quick focus on collective operations"): at ring
+# step t (0 <= t < 2(N-1)) rank r sends chunk (r - t) mod N to rank r+1. The first N-1 steps
+# add (reduce-scatter), after which rank r holds the full sum of chunk (r+1) mod N; the next
+# N-1 steps copy (all-gather).
+RING_WORLDS = (2, 3, 4)
+RING_DTYPES = (torch.float32, torch.float64)
+RING_SHAPES = ((12,), (7,), (3,), (3, 50))  # 12 splits over 2, 3, 4; 7 over none; 3 < 4 ranks; 2-D
+PHASE_CHUNK_NUMELS = (1, 5)
+
+
+def check_chunk_to_send(chunk_to_send: Callable[[int, int, int], int]) -> None:
+    """At every step of both phases, each rank must send chunk (rank - step) mod world."""
+    with Report("chunk_to_send") as report:
+        for world in RING_WORLDS:
+            steps = range(2 * (world - 1))
+            for rank in range(world):
+                expected = [(rank - step) % world for step in steps]
+                actual = [chunk_to_send(step, rank, world) for step in steps]
+                ok = all(isinstance(a, int) and a == e for a, e in zip(actual, expected))
+                report.add(ok, world=world, rank=rank, expected=expected, actual=actual,
+                           detail="" if ok else "a chunk index is an int in 0..world-1, one per step")
+
+
+def check_reduce_scatter_phase(reduce_scatter_phase: Callable) -> None:
+    """After the phase, chunk (rank+1) % world of each rank holds the sum of that chunk over ranks."""
+    _check_phase(reduce_scatter_phase, "reduce_scatter_phase", gather=False)
+
+
+def check_all_gather_phase(all_gather_phase: Callable) -> None:
+    """Starting from chunk (rank+1) % world complete on each rank, every rank ends with every chunk."""
+    _check_phase(all_gather_phase, "all_gather_phase", gather=True)
+
+
+def _check_phase(phase: Callable, title: str, gather: bool) -> None:
+    with Report(title) as report:
+        for world in RING_WORLDS:
+            cases = [(k, dtype, seed) for seed, (k, dtype) in enumerate(_product(PHASE_CHUNK_NUMELS, RING_DTYPES))]
+            results = on_ranks(_phase_on_rank, world, phase, title, cases, gather)
+            for (k, dtype, seed), per_rank in zip(cases, zip(*results)):
+                total = _sum_over_ranks(world, (world * k,), dtype, seed)
+                errors, detail = [], ""
+                for rank, (flat, _, replaced) in enumerate(per_rank):
+                    # reduce-scatter: only the owned chunk is defined; all-gather: every chunk
+                    looked_at = slice(None) if gather else _owned(rank, world, k)
+                    errors.append(max_abs_error(flat[looked_at], total[looked_at]))
+                    if not detail and not close_enough(flat[looked_at], total[looked_at], dtype):
+                        what = "all chunks" if gather else f"chunk {(rank + 1) % world}"
+                        detail = (f"rank {rank}, {what}: {mismatch(flat[looked_at], total[looked_at])}"
+                                  + _replaced_note(replaced))
+                sent = max(nbytes for _, nbytes, _ in per_rank)
+                bound = (world - 1) * k * _itemsize(dtype)  # N-1 steps, one chunk each
+                if not detail and not 0 < sent <= bound:
+                    detail = f"a rank sent {sent} bytes; one phase sends N-1 chunks: {bound} bytes"
+                report.add(not detail, detail, world=world, chunk_numel=k, dtype=dtype, max_abs_err=max(errors),
+                           **{"sent/rank (B)": sent, "N-1 chunks (B)": bound})
+
+
+def _owned(rank: int, world: int, k: int) -> slice:
+    """The chunk a rank owns after the reduce-scatter, (rank + 1) % world, as a slice of the flat buffer."""
+    return slice((rank + 1) % world * k, ((rank + 1) % world + 1) * k)
+
+
+def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
+    """Every rank's tensor becomes the sum over ranks, in place, sending at most a ring's bytes."""
+    with Report("ring_all_reduce", note="2(N-1)/N*S: what each rank sends in a ring all-reduce of S bytes over "
+                                        "N ranks (a little more when N does not divide the size: padding)") as report:
+        for world in RING_WORLDS:
+            cases = [(shape, dtype, seed) for seed, (shape, dtype) in enumerate(_product(RING_SHAPES, RING_DTYPES))]
+            results = on_ranks(_ring_on_rank, world, ring_all_reduce, cases)
+            for (shape, dtype, seed), per_rank in zip(cases, zip(*results)):
+                expected = _sum_over_ranks(world, shape, dtype, seed)
+                numel = math.prod(shape)
+                # Chunks of ceil(numel / world) elements, N-1 steps per phase; exactly 2(N-1)/N S
+                # when world divides numel.
+                bound = 2 * (world - 1) * math.ceil(numel / world) * _itemsize(dtype)
+                errors, sent, detail = [], [], ""
+                for rank, (tensor, nbytes, returned) in enumerate(per_rank):
+                    errors.append(max_abs_error(tensor, expected))
+                    sent.append(nbytes)
+                    if not detail and not close_enough(tensor, expected, dtype):
+                        detail = f"rank {rank}: {mismatch(tensor, expected)}"
+                        if returned is not None and close_enough(returned, expected, dtype):
+                            detail += "; the returned tensor is right, but the input must be summed in place"
+                traffic_ok = 0 < max(sent) <= bound
+                if not detail and not traffic_ok:
+                    detail = (f"a rank sent {max(sent)} bytes; a ring all-reduce sends at most {bound} "
+                              "(2(N-1) steps of one chunk), and more than 0")
+                report.add(not detail, detail, world=world, shape=shape, dtype=dtype, max_abs_err=max(errors),
+                           **{"sent/rank (B)": max(sent),
+                              "2(N-1)/N*S (B)": round(ring_bytes(world, numel * _itemsize(dtype)))})
+
+
+def _phase_on_rank(phase: Callable, what: str, cases: list, gather: bool) -> list:
+    """Run one phase on this rank for every case; return (all chunks, bytes sent, replaced?)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for k, dtype, seed in cases:
+        flat = rank_tensor(rank, (world * k,), dtype, seed)
+        if gather:  # the state after a reduce-scatter: the owned chunk complete, the rest partial
+            owned = _owned(rank, world, k)
+            flat[owned] = sum(rank_tensor(r, (world * k,), dtype, seed)[owned] for r in range(world))
+        flat = flat.to(device())
+        chunks = list(flat.split(k))
+        originals = list(chunks)
+        with only_point_to_point(what) as sent:
+            phase(chunks, rank, world)
+        replaced = [i for i, (a, b) in enumerate(zip(chunks, originals)) if a is not b]
+        out.append((flat.cpu(), sent.bytes, replaced))
+    return out
+
+
+def _ring_on_rank(ring_all_reduce: Callable, cases: list) -> list:
+    rank = dist.get_rank()
+    out = []
+    for shape, dtype, seed in cases:
+        tensor = rank_tensor(rank, shape, dtype, seed).to(device())
+        with only_point_to_point("ring_all_reduce", answers=("ring_all_reduce",)) as sent:
+            returned = ring_all_reduce(tensor)
+        if not isinstance(returned, torch.Tensor) or returned is tensor:
+            returned = None  # only kept to explain a result returned instead of written in place
+        out.append((tensor.cpu(), sent.bytes, returned))
+    return out
+
+
+def _replaced_note(replaced: list) -> str:
+    if not replaced:
+        return ""
+    return (f"; chunks {replaced} were replaced by new tensors: update them in place "
+            "(chunks[i] += ..., chunks[i].copy_(...)), they are views of one buffer")
+
+
+def _sum_over_ranks(world: int, shape: tuple, dtype, seed: int) -> torch.Tensor:
+    """The single-process answer: the plain sum of every rank's tensor, in float64."""
+    return sum(rank_tensor(rank, shape, dtype, seed).double() for rank in range(world))
+
+
+def _product(a, b) -> list:
+    return [(x, y) for x in a for y in b]
+
+
+def ring_bytes(world: int, nbytes: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of `nbytes` over `world` ranks: 2 (N-1)/N S."""
+    return 2 * (world - 1) / world * nbytes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,196 @@
+"""Tests for picotron/data.py: tokenizer, corpus, files, windows, the dp/cp split, accuracy."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from picotron import data
+from picotron.config import TrainConfig
+from picotron.data import (Batch, ByteTokenizer, DataLoader, TokenDataset, arithmetic_accuracy,
+                           arithmetic_digit_accuracy,
+                           arithmetic_corpus, arithmetic_eval_problems, build_dataset, load_text,
+                           make_loader)
+
+
+def test_tokenizer_round_trip():
+    tokenizer = ByteTokenizer()
+    text = "417+2085=2502\nnaïve café, 東京 🚀"
+    ids = tokenizer.encode(text)
+    assert all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd")   # a cut character is replaced, not an error
+
+
+def test_corpus_is_deterministic_and_well_formed():
+    text = arithmetic_corpus(500, seed=3)
+    assert text == arithmetic_corpus(500, seed=3)
+    assert text != arithmetic_corpus(500, seed=4)
+    lines = text.splitlines()
+    assert len(lines) == 500 and text.endswith("\n")
+    lengths = set()
+    for line in lines:
+        a, b, c = map(int, re.fullmatch(r"(\d{1,4})\+(\d{1,4})=(\d{1,5})", line).groups())
+        assert a + b == c
+        lengths.add(len(str(a)))
+    assert lengths == {1, 2, 3, 4}
+
+
+def test_eval_problems_are_held_out_from_training():
+    problems = arithmetic_eval_problems(300, seed=0)
+    assert len(problems) == len(set(problems)) == 300
+    for prompt, answer in problems:
+        a, b = map(int, prompt.rstrip("=").split("+"))
+        assert prompt.endswith("=") and int(answer) == a + b
+    # Compare unordered pairs: 3+5 held out means 5+3 never appears in training either.
+    pair = lambda text: tuple(sorted(map(int, text.split("=")[0].split("+"))))
+    train_pairs = {pair(line) for line in arithmetic_corpus(20_000, seed=0).splitlines()}
+    assert not train_pairs & {pair(prompt) for prompt, _ in problems}
+
+
+def test_load_text_txt_jsonl_and_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("hello\n", encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n\n{"text": "two", "id": 2}\n', encoding="utf-8")
+    (tmp_path / "notes.md").write_text("ignored in a folder")
+    assert load_text(tmp_path / "a.txt") == "hello\n"
+    assert load_text(tmp_path / "b.jsonl") == "one\ntwo"
+    assert load_text(tmp_path) == "hello\n\none\ntwo"
+
+
+def test_load_text_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        load_text(tmp_path / "missing.txt")
+    (tmp_path / "data.csv").write_text("x")
+    with pytest.raises(ValueError, match=r"'\.csv'"):
+        load_text(tmp_path / "data.csv")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"content": "no text"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 2 has no string 'text'"):
+        load_text(tmp_path / "bad.jsonl")
+    (tmp_path / "broken.jsonl").write_text('{"text": \n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl line 1 is not valid JSON"):
+        load_text(tmp_path / "broken.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .txt or .jsonl"):
+        load_text(tmp_path / "empty")
+
+
+def test_token_dataset_windows():
+    tokens = torch.arange(30)
+    dataset = TokenDataset(tokens, seq_len=8)
+    assert len(dataset) == 3                      # 29 // 8: window 3 would need token 32
+    for i in range(len(dataset)):
+        inputs, targets = dataset[i]
+        assert torch.equal(inputs, tokens[i * 8: i * 8 + 8])
+        assert torch.equal(targets, inputs + 1)   # shifted by one
+    with pytest.raises(IndexError):
+        dataset[3]
+    with pytest.raises(ValueError, match="too short for one window"):
+        TokenDataset(torch.arange(8), seq_len=8)
+
+
+def _loader(micro_batch_size, dp_rank=0, dp_size=1, seed=7):
+    dataset = TokenDataset(torch.arange(64 * 16 + 1) % 256, seq_len=16)   # 64 windows
+    return DataLoader(dataset, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+
+
+def test_loader_dp_ranks_concatenate_to_single_process_batch():
+    single = _loader(micro_batch_size=12)
+    ranks = [_loader(micro_batch_size=3, dp_rank=r, dp_size=4) for r in range(4)]
+    for step in range(4):
+        for micro_step in range(3):
+            reference = single.get_batch(step, micro_step)
+            batches = [rank.get_batch(step, micro_step) for rank in ranks]
+            for name in ("input_ids", "targets", "sample_ids", "position_ids"):
+                joined = torch.cat([getattr(b, name) for b in batches])
+                assert torch.equal(joined, getattr(reference, name)), (name, step, micro_step)
+            assert len(torch.cat([b.sample_ids for b in batches]).unique()) == 12   # disjoint ranks
+    assert not torch.equal(single.get_batch(0, 0).sample_ids, single.get_batch(0, 1).sample_ids)
+    assert not torch.equal(single.get_batch(0).sample_ids, single.get_batch(1).sample_ids)
+    assert torch.equal(single.get_batch(2, 1).input_ids, _loader(12).get_batch(2, 1).input_ids)
+
+
+def test_loader_batch_contents_and_errors():
+    batch = _loader(micro_batch_size=5).get_batch(3)
+    assert batch.input_ids.shape == batch.targets.shape == (5, 16) and batch.input_ids.dtype == torch.long
+    assert torch.equal(batch.input_ids[:, 1:], batch.targets[:, :-1])
+    assert torch.equal(batch.input_ids[:, 0], batch.sample_ids * 16 % 256)   # window i starts at i * seq_len
+    plain = Batch(batch.input_ids, batch.targets, batch.sample_ids)   # position_ids left to the default
+    assert torch.equal(plain.position_ids, torch.arange(16).repeat(5, 1))
+    assert torch.equal(batch.to("cpu").position_ids, plain.position_ids)
+    with pytest.raises(ValueError, match="dp_rank=4"):
+        _loader(2, dp_rank=4, dp_size=4)
+    with pytest.raises(ValueError, match="dataset has only 64"):
+        _loader(20, dp_size=4)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_seq_slice_for_context_parallelism(cp_size):
+    batch = _loader(micro_batch_size=3).get_batch(0)
+    pieces = [batch.seq_slice(r, cp_size) for r in range(cp_size)]
+    for name in ("input_ids", "targets", "position_ids"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in pieces], dim=1), getattr(batch, name))
+    width = 16 // cp_size
+    for r, piece in enumerate(pieces):
+        assert torch.equal(piece.position_ids, torch.arange(r * width, (r + 1) * width).expand(3, width))
+        assert torch.equal(piece.sample_ids, batch.sample_ids)
+    with pytest.raises(ValueError, match="cp_size=3 does not divide seq_len=16"):
+        batch.seq_slice(0, 3)
+
+
+def _oracle(problems):
+    """A logits_fn that knows every answer: it scores the right next byte highest."""
+    continuations = {"\n" + prompt: answer + "\n" for prompt, answer in problems}
+
+    def logits_fn(ids):
+        logits = torch.zeros(*ids.shape, 256)
+        for row, text in enumerate(ByteTokenizer().decode(r) for r in ids.tolist()):
+            prompt = next(p for p in continuations if text.startswith(p))
+            answer, position = continuations[prompt], len(text) - len(prompt)
+            logits[row, -1, ord(answer[position] if position < len(answer) else "\n")] = 1.0
+        return logits
+    return logits_fn
+
+
+def test_arithmetic_accuracy():
+    problems = arithmetic_eval_problems(40, seed=1)
+    assert arithmetic_accuracy(_oracle(problems), problems) == 1.0
+    always_one = lambda ids: torch.nn.functional.one_hot(torch.full_like(ids, ord("1")), 256).float()
+    assert arithmetic_accuracy(always_one, problems) == 0.0   # never emits the closing "\n"
+    wrong = [(prompt, str(int(answer) + 1)) for prompt, answer in problems[:10]]
+    assert arithmetic_accuracy(_oracle(problems), problems[:10] + wrong) == 0.5
+
+
+def test_arithmetic_digit_accuracy():
+    problems = arithmetic_eval_problems(40, seed=1)
+    # Looks one byte ahead: right everywhere, so 1.0.
+    peek = lambda ids: torch.nn.functional.one_hot(_next_true_bytes(ids, problems), 256).float()
+    assert arithmetic_digit_accuracy(peek, problems) == 1.0
+    always_one = lambda ids: torch.nn.functional.one_hot(torch.full_like(ids, ord("1")), 256).float()
+    answer_bytes = "".join(answer + "\n" for _, answer in problems)
+    expected = answer_bytes.count("1") / len(answer_bytes)
+    assert arithmetic_digit_accuracy(always_one, problems) == pytest.approx(expected)
+
+
+def _next_true_bytes(ids, problems):
+    texts = {"\n" + p + a + "\n" for p, a in problems}
+    rows = []
+    for row in ids.tolist():
+        prefix = ByteTokenizer().decode(row)
+        full = next(t for t in texts if t.startswith(prefix) and len(t) == len(prefix) + 1)
+        rows.append(ByteTokenizer().encode(full)[1:])
+    return torch.tensor(rows)
+
+
+def test_make_loader_from_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "ARITHMETIC_LINES", 5_000)   # the wiring, not the full 100k lines
+    config = TrainConfig(seq_len=64, micro_batch_size=4, seed=0)
+    dataset = build_dataset(config)
+    assert len(dataset) > 500 and dataset.tokens.dtype == torch.uint8
+    batch = make_loader(config, dp_rank=1, dp_size=2).get_batch(0)
+    assert batch.input_ids.shape == (4, 64)
+    assert set(ByteTokenizer().decode(batch.input_ids[0].tolist())) <= set("0123456789+=\n")
+    (tmp_path / "mine.jsonl").write_text(json.dumps({"text": "abcdefgh" * 20}) + "\n")
+    own = make_loader(TrainConfig(dataset=str(tmp_path / "mine.jsonl"), seq_len=8, micro_batch_size=2))
+    assert ByteTokenizer().decode(own.get_batch(0).input_ids[0].tolist()) == "abcdefgh"
