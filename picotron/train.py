@@ -155,6 +155,8 @@ def train(config: Config, *, progress: bool = True) -> dict:
         mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp)
     trainer = Trainer(config, mesh)
     is_logger = mesh is None or mesh.rank == 0
+    if mesh:
+        dist.barrier()  # ranks measure the peak together, so each sees its share of a shared CPU
     peak, peak_source = peak_flops(trainer.device)
     world = mesh.world_size if mesh else 1
     tokens_per_step = config.train.tokens_per_step * config.parallel.dp

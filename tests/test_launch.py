@@ -97,3 +97,25 @@ def test_exception_classes_defined_locally_still_come_back():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size=0"):
         run(rank_sum, 0)
+
+
+def test_from_a_notebook_cell_results_crashes_and_hangs():
+    """What a learner sees in Jupyter: a cell-defined function runs on 4 ranks, and a crashing
+    rank and a hanging rank come back to the cell as errors within the timeout."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    cells = [
+        "import time, torch, torch.distributed as dist\nfrom picotron.launch import run",
+        "def double_rank():\n    return 2 * dist.get_rank()\nassert run(double_rank, 4) == [0, 2, 4, 6]",
+        "def crash():\n    if dist.get_rank() == 3:\n        raise KeyError('no such layer')\n"
+        "    print(f'rank {dist.get_rank()} waits', flush=True)\n    dist.barrier()\n"
+        "start = time.monotonic()\ntry:\n    run(crash, 4, timeout=60)\nexcept KeyError as e:\n    error = str(e)\n"
+        "assert 'rank 3' in error and 'no such layer' in error and time.monotonic() - start < 10",
+        "def hang():\n    if dist.get_rank() == 0:\n        time.sleep(600)\n"
+        "start = time.monotonic()\ntry:\n    run(hang, 4, timeout=3)\nexcept TimeoutError as e:\n    error = str(e)\n"
+        "assert 'ranks [0] had not finished' in error and time.monotonic() - start < 8",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3").execute()
+    crash_output = "".join(o.get("text", "") for o in notebook.cells[2].outputs)
+    assert "[rank 1] rank 1 waits" in crash_output  # each rank's prints land in the cell

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from picotron.launch import run
 from picotron.mesh import Mesh
 from picotron.train import Trainer, flops_per_token, lr_at, parse_args
@@ -98,3 +99,10 @@ def test_main_job_runs_two_ranks_from_the_command_line():
     assert "2 ranks as CPU processes with gloo" in out
     assert "[rank 0] step    3  loss" in out and "tok/s" in out and "MFU" in out
     assert "[rank 1] step" not in out  # only rank 0 logs
+
+
+@pytest.mark.parametrize("path", sorted(pathlib.Path(__file__).parents[1].glob("configs/*.json")),
+                         ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    config = Config.from_json(path)
+    validate(config, config.parallel.world_size)
