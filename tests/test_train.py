@@ -106,3 +106,11 @@ def test_main_job_runs_two_ranks_from_the_command_line():
 def test_shipped_configs_are_valid(path):
     config = Config.from_json(path)
     validate(config, config.parallel.world_size)
+
+
+def test_under_torchrun_each_process_trains_in_place():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "-m", "picotron.train", "--dp", "2", "--steps", "3", "--log-every", "1"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "step    2  loss" in result.stdout and "[rank" not in result.stdout  # no forked ranks
