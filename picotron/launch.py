@@ -171,7 +171,9 @@ class _Launch:
     def _read_port(self, port_read: int) -> int:
         with os.fdopen(port_read, "rb") as f:
             ready, _, _ = select.select([f], [], [], self.timeout)
-            data = f.read() if ready else b""
+            if not ready:
+                raise TimeoutError(f"rank 0 did not start the rendezvous store within {self.timeout:g} s")
+            data = f.read()
         if not data:  # rank 0 failed before its store was up: raise its error
             self._watch()
             self._collect()
