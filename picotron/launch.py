@@ -115,7 +115,8 @@ def _run_in_place(fn: Callable, world_size: int, args: tuple, kwargs: dict, seed
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(f"run(world_size={world_size}) under torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}; "
                          f"launch torchrun with --nproc-per-node {world_size}")
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         backend = backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))) if backend == "auto" else backend
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -124,6 +125,10 @@ def _run_in_place(fn: Callable, world_size: int, args: tuple, kwargs: dict, seed
     result = fn(*args, **kwargs)
     results: list = [None] * world_size
     dist.all_gather_object(results, result)
+    if owns_group:
+        # A gloo group left for interpreter exit can abort the process ("terminate called
+        # without an active exception") while its threads are torn down: close it ourselves.
+        dist.destroy_process_group()
     return results
 
 
@@ -135,7 +140,7 @@ class _Rank:
     out_fd: int
     result_fd: int
     out_buffer: bytes = b""
-    result: bytes = b""
+    result: bytearray = field(default_factory=bytearray)  # grows in place: a large result stays linear
     open_fds: set = field(default_factory=set)
     exit_code: int | None = None
     redrawing: bool = False  # the last thing printed was a progress-bar redraw without newline
