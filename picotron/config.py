@@ -37,6 +37,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     init_std: float = 0.02
+    attention: str = "sdpa"               # "sdpa" (fused, never stores seq x seq scores) or "eager"
+    recompute: str = "none"               # activation recomputation: "none", "selective" or "full"
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -57,6 +59,19 @@ class ModelConfig:
         layer = attention + mlp + 2 * h                                            # + two RMSNorms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embeddings + h                            # + final norm
+
+
+ATTENTION_CHOICES = ("sdpa", "eager")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+def check_model_choices(model: ModelConfig) -> None:
+    """Raise ValueError for an attention or recomputation mode the model does not have."""
+    if model.attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention={model.attention!r}; choose one of {ATTENTION_CHOICES}")
+    if model.recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute={model.recompute!r}; choose one of {RECOMPUTE_CHOICES} "
+                         f"(selective: recompute the attention core, full: recompute whole layers)")
 
 
 # Shapes of public checkpoints (their config.json files on the Hugging Face hub).
@@ -159,6 +174,7 @@ def _build(kind: type, values: dict) -> Any:
 def validate(config: Config, world_size: int | None = None) -> None:
     """Raise ValueError naming the problem and the fix for any impossible combination."""
     m, p, t = config.model, config.parallel, config.train
+    check_model_choices(m)
     for name in ("dp", "pp", "cp", "tp"):
         if getattr(p, name) < 1:
             raise ValueError(f"{name}={getattr(p, name)} must be at least 1")

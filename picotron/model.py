@@ -18,6 +18,12 @@ same number from the shape alone.
 Each layer, attention and MLP is its own module so later chapters can take a slice of
 `layers` (pipeline parallelism), swap the q/k/v/o and gate/up/down Linears (tensor
 parallelism) or replace `Attention.attend` (context parallelism).
+
+Two switches in the ModelConfig trade memory for compute (chapter 01, picotron/memory.py):
+    attention="sdpa"     fused attention (FlashAttention-style): the (seq x seq) scores are never stored
+    attention="eager"    scores, softmax and @V as separate ops: backward keeps the (seq x seq) probabilities
+    recompute="selective"  keep only q, k, v of the attention core and recompute it in backward
+    recompute="full"       keep only each layer's input and recompute the whole layer in backward
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from picotron.config import ModelConfig
+from picotron.config import ModelConfig, check_model_choices
 
 
 class RMSNorm(nn.Module):
@@ -124,6 +131,49 @@ class Rotary(nn.Module):
         return self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)
 
 
+# ---- Activation recomputation (Playbook, "Activation recomputation") ------------------------------
+
+def recompute(fn, *inputs: torch.Tensor) -> torch.Tensor:
+    """fn(*inputs), keeping only `inputs` for backward; fn's inner activations are recomputed there.
+
+    Backward needs the tensors each op saved in forward. Recomputation drops the ones saved
+    inside fn and runs fn again when backward reaches it (Chen et al. 2016, arXiv:1604.06174):
+    memory falls to the inputs, compute rises by one more forward of fn. Wrapping the attention
+    core is *selective* recomputation, wrapping a whole layer is *full* recomputation
+    (Korthikanti et al. 2022, arXiv:2205.05198). The same ops run on the same inputs, so the
+    gradients are bit-for-bit those without recomputation.
+
+    torch's non-reentrant checkpoint does the bookkeeping: saved-tensor hooks replace each
+    saved tensor by a placeholder and refill it on first use in backward, which, unlike the
+    reentrant version, also works with torch.autograd.grad (chapter 01 builds the idea from an
+    autograd.Function). preserve_rng_state=False: the model has no dropout, no RNG to replay.
+    """
+    if not torch.is_grad_enabled():  # evaluation or generation: nothing is saved anyway
+        return fn(*inputs)
+    return checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=False)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(head_dim)) v written out op by op, as in the Transformer paper.
+
+    Backward needs the softmax output, (batch, heads, seq, seq): memory quadratic in the sequence,
+    the s^2 term of the Playbook's activation formula (its 5as^2b, of which 3as^2b is dropout's,
+    which this model does not have). Fused kernels (FlashAttention, Dao et al. 2022,
+    arXiv:2205.14135; F.scaled_dot_product_attention) recompute it in backward instead and keep
+    only a (batch, heads, seq) log-sum-exp.
+    """
+    batch, kv_heads, seq, head_dim = k.shape
+    groups = q.shape[1] // kv_heads
+    if groups > 1:  # GQA: copy each key/value head for the `groups` query heads that read it (HF's repeat_kv)
+        k = k[:, :, None].expand(batch, kv_heads, groups, seq, head_dim).reshape(batch, -1, seq, head_dim)
+        v = v[:, :, None].expand(batch, kv_heads, groups, seq, head_dim).reshape(batch, -1, seq, head_dim)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)                  # (batch, heads, seq, seq)
+    # An additive mask (-inf above the diagonal) saves nothing for backward; masked_fill would save it.
+    future = torch.full((seq, seq), float("-inf"), dtype=scores.dtype, device=scores.device).triu(1)
+    probs = torch.softmax(scores + future, dim=-1)  # in the compute dtype, like Megatron's fused softmax
+    return probs @ v                                                         # (batch, heads, seq, head_dim)
+
+
 # ---- The decoder layer -------------------------------------------------------------------------
 
 class Attention(nn.Module):
@@ -138,6 +188,8 @@ class Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.head_dim = d
+        self.attention = config.attention                          # "sdpa" or "eager"
+        self.recompute_core = config.recompute == "selective"
         self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
@@ -148,10 +200,16 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (batch, heads, seq, head_dim)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        out = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.recompute_core:  # selective recomputation: keep q, k, v; recompute scores, softmax, @V
+            out = recompute(self.attend, q, k, v)
+        else:
+            out = self.attend(q, k, v)                                           # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))        # (batch, seq, heads*head_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.attention == "eager":
+            return eager_attention(q, k, v)
         # softmax(q k^T / sqrt(head_dim)) v with a causal mask; enable_gqa lets query head i
         # read key/value head i // (heads/kv_heads) without copying k and v.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -191,6 +249,7 @@ class Llama(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        check_model_choices(config)
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rope = Rotary(config)
@@ -239,8 +298,10 @@ class Llama(nn.Module):
             position_ids = position_ids.unsqueeze(0)          # (1, seq): same positions for every row
         cos, sin = self.rope(position_ids)                    # (batch or 1, 1, seq, head_dim)
         x = self.embed(input_ids)                             # (batch, seq, hidden)
+        full_recompute = self.config.recompute == "full"
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            # Full recomputation: only the layer's input stays saved; backward runs the layer again.
+            x = recompute(layer, x, cos, sin) if full_recompute else layer(x, cos, sin)
         return self.lm_head(self.norm(x))                     # (batch, seq, vocab)
 
     def num_params(self) -> int:
