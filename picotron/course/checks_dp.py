@@ -1,0 +1,398 @@
+"""The checks of assignment 02: bucketed, overlapped data parallelism.
+
+Each check runs the learner's code (on 4 ranks where it communicates) and compares it with
+single-process torch computed here, in the parent: the mean of every rank's tensor, the
+gradient of the whole global batch from one plain model, a plain AdamW run. Nothing here
+uses picotron.parallel.data_parallel, the module the assignment rebuilds.
+
+    check_grad_views(grad_views)        views into one flat buffer; autograd fills it (one process)
+    check_grad_bucket(GradBucket)       one async all-reduce of the whole buffer, when the last gradient is ready
+    check_hooks(DataParallel)           every bucket launched during backward, gradients = one process's
+    check_data_parallel(DataParallel)   5 AdamW steps, bucket sizes x gradient accumulation with no_sync
+
+Inside the ranks, `recorded_all_reduces` wraps `torch.distributed.all_reduce` (which
+`picotron.comm.all_reduce` calls) to note every call: its tensor, whether it was
+asynchronous, and whether its handle was waited for.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import nn
+
+from picotron.config import ModelConfig
+from picotron.course.checks import Report, close_enough, max_abs_error, mismatch, on_ranks, rank_tensor
+from picotron.model import Llama, loss_fn
+
+__all__ = ["check_grad_views", "check_grad_bucket", "check_hooks", "check_data_parallel", "recorded_all_reduces",
+           "CHECK_MODEL", "WORLD"]
+
+WORLD = 4
+# A small Llama with a tied embedding (one weight, two uses): 11 parameter tensors of 32 to 8192 elements.
+CHECK_MODEL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, max_seq_len=16)
+SEQ, BATCH_PER_RANK = 12, 2
+PACKAGE = "picotron.parallel.data_parallel"
+
+
+# ---- recording the all-reduces a rank makes --------------------------------------------------
+class AllReduceCall:
+    """One call of dist.all_reduce: what it was given, and whether its handle was waited for."""
+
+    def __init__(self, tensor: torch.Tensor, async_op: bool):
+        self.numel, self.data_ptr, self.async_op = tensor.numel(), tensor.data_ptr(), async_op
+        self.waited = not async_op  # a blocking call is done when it returns
+
+
+class _RecordedWork:
+    """The handle an async all-reduce returns, noting when it is waited for."""
+
+    def __init__(self, work, call: AllReduceCall):
+        self._work, self._call = work, call
+
+    def wait(self, *args, **kwargs):
+        self._call.waited = True
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@contextmanager
+def recorded_all_reduces() -> Iterator[list[AllReduceCall]]:
+    """Inside the block, every dist.all_reduce call is appended to the yielded list."""
+    calls: list[AllReduceCall] = []
+    original = c10d.all_reduce
+
+    @functools.wraps(original)
+    def recorded(tensor, *args, async_op=False, **kwargs):
+        call = AllReduceCall(tensor, async_op)
+        calls.append(call)
+        work = original(tensor, *args, async_op=async_op, **kwargs)
+        return _RecordedWork(work, call) if work is not None else None
+
+    dist.all_reduce = c10d.all_reduce = recorded
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = c10d.all_reduce = original
+
+
+def _not_the_course_answer(what: str, *objects) -> None:
+    for obj in objects:
+        cls = obj if isinstance(obj, type) else type(obj)
+        if any(k.__module__ == PACKAGE for k in cls.__mro__):
+            raise AssertionError(f"{what}: {cls.__name__} comes from {PACKAGE}, the course's answer; "
+                                 "write your own")
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """The parent's reference runs on one thread, like each rank: two threads fighting four ranks
+    (and anything else) for two cores made it 4x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- 1. grad_views ---------------------------------------------------------------------------
+VIEW_CASES = [([(3, 4), (5,), (2, 3, 2)], torch.float32), ([(7,)], torch.float32),
+              ([(1,), (4, 4), (6,)], torch.float64)]
+
+
+def check_grad_views(grad_views: Callable) -> None:
+    """grad_views(params) returns one zero buffer; each p.grad is a view of its slice, in order;
+    backward adds gradients into the buffer."""
+    with Report("grad_views") as report:
+        for seed, (shapes, dtype) in enumerate(VIEW_CASES):
+            params = [nn.Parameter(rank_tensor(0, shape, dtype, seed)) for shape in shapes]
+            buffer = grad_views(params)
+            detail = _views_problem(params, buffer)
+            err = math.nan
+            if not detail:  # backward twice: autograd must add into the views, so into the buffer
+                scales = [rank_tensor(1, p.shape, dtype, seed) for p in params]
+                for _ in range(2):
+                    sum((p * s).sum() for p, s in zip(params, scales)).backward()
+                expected = 2 * torch.cat([s.flatten() for s in scales])
+                err = max_abs_error(buffer, expected)
+                if not close_enough(buffer, expected):
+                    detail = ("after two backward passes the buffer is not the summed gradients: "
+                              + mismatch(buffer, expected))
+                elif any(p.grad.data_ptr() != v for p, v in zip(params, _offsets(buffer, params))):
+                    detail = "after backward a p.grad no longer points into the buffer"
+            report.add(not detail, detail, shapes=shapes, dtype=dtype, max_abs_err=err)
+
+
+def _offsets(buffer: torch.Tensor, params: list) -> list[int]:
+    """Where each parameter's slice of the buffer starts, params laid out one after another."""
+    starts, offset = [], 0
+    for p in params:
+        starts.append(buffer.data_ptr() + offset * buffer.element_size())
+        offset += p.numel()
+    return starts
+
+
+def _views_problem(params: list, buffer) -> str:
+    total = sum(p.numel() for p in params)
+    if not isinstance(buffer, torch.Tensor):
+        return f"grad_views must return the flat buffer (a tensor), got {type(buffer).__name__}"
+    if buffer.dim() != 1 or buffer.numel() != total or buffer.dtype != params[0].dtype:
+        return (f"expected a 1-D {params[0].dtype} buffer of {total} elements (all parameters), got "
+                f"{buffer.dtype} of shape {tuple(buffer.shape)}")
+    if buffer.count_nonzero():
+        return "the buffer must start at zero (autograd adds into it)"
+    for i, (p, start) in enumerate(zip(params, _offsets(buffer, params))):
+        if p.grad is None:
+            return f"params[{i}].grad is None: set it to a view of the buffer"
+        if p.grad.shape != p.shape:
+            return f"params[{i}].grad has shape {tuple(p.grad.shape)}, the parameter {tuple(p.shape)}"
+        if p.grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+            return (f"params[{i}].grad is not a view of the buffer (a copy?): slice the buffer and "
+                    ".view_as(param), do not torch.cat or .clone")
+        if p.grad.data_ptr() != start:
+            element = lambda ptr: (ptr - buffer.data_ptr()) // buffer.element_size()
+            return (f"params[{i}].grad starts at element {element(p.grad.data_ptr())} of the buffer, expected "
+                    f"{element(start)}: lay the parameters out one after another, in the order given")
+    return ""
+
+
+# ---- 2. GradBucket -----------------------------------------------------------------------------
+BUCKET_CASES = [([(3, 4), (5,), (2, 3, 2)], torch.float32), ([(6, 2)], torch.float32),
+                ([(4,), (3, 3)], torch.float64)]
+ROUNDS = 2  # the same bucket twice: it must be ready for the next step after wait()
+
+
+def check_grad_bucket(GradBucket: type) -> None:
+    """mark_ready launches one async all-reduce of the whole buffer when the last gradient is ready;
+    after wait() every gradient is the mean over ranks; the bucket then serves the next step."""
+    _not_the_course_answer("check_grad_bucket", GradBucket)
+    with Report("GradBucket", note=f"{WORLD} ranks; each row: mark every parameter ready (last first), then wait()") \
+            as report:
+        results = on_ranks(_bucket_on_rank, WORLD, GradBucket, BUCKET_CASES)
+        for case, (shapes, dtype) in enumerate(BUCKET_CASES):
+            for round_ in range(ROUNDS):
+                per_rank = [rank[case][round_] for rank in results]
+                detail, err = _bucket_problem(per_rank, shapes, dtype, case, round_)
+                launches = per_rank[0].get("launches", [math.nan])
+                report.add(not detail, detail, shapes=shapes, dtype=dtype, step=round_,
+                           **{"launched before last": sum(launches[:-1]), "launched at last": launches[-1]},
+                           max_abs_err=err)
+
+
+def _grad_seed(case: int, round_: int, index: int) -> int:
+    return 100 * case + 10 * round_ + index
+
+
+def _bucket_on_rank(GradBucket: type, cases: list) -> list:
+    rank, out = dist.get_rank(), []
+    for case, (shapes, dtype) in enumerate(cases):
+        params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
+        bucket = GradBucket(params, dist.group.WORLD)
+        _not_the_course_answer("check_grad_bucket", bucket)
+        rounds = []
+        if not all(p.grad is not None and p.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage()
+                   .data_ptr() for p in params):
+            out.append([{"not_views": True}] * ROUNDS)
+            continue
+        for round_ in range(ROUNDS):
+            for i, p in enumerate(params):  # this rank's gradients, written through the views
+                p.grad.copy_(rank_tensor(rank, p.shape, dtype, _grad_seed(case, round_, i)))
+            with recorded_all_reduces() as calls:
+                launches = []
+                for p in reversed(params):  # backward finishes the last parameters first
+                    before = len(calls)
+                    bucket.mark_ready(p)
+                    launches.append(len(calls) - before)
+                bucket.wait()
+            rounds.append({"launches": launches, "calls": [(c.numel, c.data_ptr == bucket.buffer.data_ptr(),
+                                                            c.async_op, c.waited) for c in calls],
+                           "numel": bucket.buffer.numel(), "grads": [p.grad.clone() for p in params]})
+        out.append(rounds)
+    return out
+
+
+def _bucket_problem(per_rank: list, shapes: list, dtype, case: int, round_: int) -> tuple[str, float]:
+    mine = per_rank[0]
+    if mine.get("not_views"):
+        return ("after GradBucket(params, group) the p.grad are not views of bucket.buffer: "
+                "solve grad_views first (check_grad_views)"), math.nan
+    expected = [sum(rank_tensor(r, shape, dtype, _grad_seed(case, round_, i)).double() for r in range(WORLD)) / WORLD
+                for i, shape in enumerate(shapes)]
+    err = max(max_abs_error(g, e) for rank in per_rank for g, e in zip(rank["grads"], expected))
+    if sum(mine["launches"][:-1]):
+        return ("mark_ready launched an all-reduce before the bucket's last gradient was ready: count the ready "
+                "parameters and launch only when all are"), err
+    if mine["launches"][-1] != 1:
+        return (f"marking the last parameter ready launched {mine['launches'][-1]} all-reduces; launch exactly one, "
+                "of the whole buffer, there"), err
+    numel, same_buffer, async_op, waited = mine["calls"][0]
+    if not (same_buffer and numel == mine["numel"]):
+        return (f"the all-reduce got a tensor of {numel} elements{'' if same_buffer else ' outside the buffer'}; "
+                f"all-reduce self.buffer ({mine['numel']} elements) itself, in one call"), err
+    if not async_op:
+        return "the all-reduce blocked: pass async_op=True and keep the handle, so backward can go on", err
+    if not waited:
+        return "wait() did not call .wait() on the all-reduce's handle", err
+    for rank, grads in enumerate(r["grads"] for r in per_rank):
+        for i, (g, e) in enumerate(zip(grads, expected)):
+            if not close_enough(g, e, dtype):
+                hint = " (it looks like the sum: divide by the world size)" if close_enough(g, e * WORLD, dtype) else ""
+                return (f"rank {rank}, params[{i}].grad is not the mean over ranks{hint}: "
+                        f"{mismatch(g, e.to(dtype))}"), err
+    return "", err
+
+
+# ---- 3. hooks --------------------------------------------------------------------------------
+HOOK_BUCKETS = [0, 3000, 10**9]  # elements: one bucket per parameter, a few, one for everything
+
+
+def _tokens(step: int, micro: int, rank: int) -> torch.Tensor:
+    """(BATCH_PER_RANK, SEQ + 1) tokens of one rank's micro-batch; the parent can rebuild them all."""
+    generator = torch.Generator().manual_seed(10_007 * step + 101 * micro + rank)
+    return torch.randint(0, CHECK_MODEL.vocab_size, (BATCH_PER_RANK, SEQ + 1), generator=generator)
+
+
+def _model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(CHECK_MODEL)
+
+
+def _flat_grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
+
+
+def check_hooks(DataParallel: type) -> None:
+    """One backward on 4 ranks: each bucket's all-reduce starts during backward, once; after
+    finish_gradient_sync the gradients equal one process's gradient of the global batch."""
+    _not_the_course_answer("check_hooks", DataParallel)
+    with Report("hooks", note=f"{WORLD} ranks, one backward of a Llama with {len(list(_model().parameters()))} "
+                              "parameter tensors (the embedding tied to the LM head)") as report:
+        results = on_ranks(_hooks_on_rank, WORLD, DataParallel, HOOK_BUCKETS)
+        with _one_thread():
+            model = _model()
+            batch = torch.cat([_tokens(0, 0, r) for r in range(WORLD)])  # the global batch
+            loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+            expected = _flat_grads(model)
+        for i, bucket_numel in enumerate(HOOK_BUCKETS):
+            per_rank = [rank[i] for rank in results]
+            got = per_rank[0]
+            err = max(max_abs_error(r["grads"], expected) for r in per_rank)
+            detail = ""
+            if got["in_backward"] < got["buckets"]:
+                detail = (f"only {got['in_backward']} of {got['buckets']} buckets started their all-reduce while "
+                          "backward ran: register a post-accumulate-grad hook on every parameter that marks it "
+                          "ready in its bucket")
+            elif got["total"] != got["buckets"]:
+                detail = f"{got['total']} all-reduces for {got['buckets']} buckets: launch each bucket once"
+            elif not got["waited"]:
+                detail = "finish_gradient_sync returned before waiting for every bucket's all-reduce"
+            else:
+                for rank, r in enumerate(per_rank):
+                    if not close_enough(r["grads"], expected):
+                        detail = f"rank {rank}'s gradients differ from one process's: {mismatch(r['grads'], expected)}"
+                        break
+            report.add(not detail, detail, bucket_numel=bucket_numel, buckets=got["buckets"],
+                       **{"launched in backward": got["in_backward"], "launched in all": got["total"]},
+                       max_abs_err=err)
+
+
+def _hooks_on_rank(DataParallel: type, bucket_sizes: list) -> list:
+    rank, out = dist.get_rank(), []
+    tokens = _tokens(0, 0, rank)
+    for bucket_numel in bucket_sizes:
+        model = _model()
+        dp = DataParallel(model, dist.group.WORLD, bucket_numel)
+        _not_the_course_answer("check_hooks", dp, *dp.buckets)
+        with recorded_all_reduces() as calls:
+            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            in_backward = len(calls)
+            dp.finish_gradient_sync()
+        out.append({"buckets": len(dp.buckets), "in_backward": in_backward, "total": len(calls),
+                    "waited": all(c.waited for c in calls), "grads": _flat_grads(model)})
+    return out
+
+
+# ---- 4. training with gradient accumulation ----------------------------------------------------
+TRAIN_CASES = [(0, 1), (3000, 1), (10**9, 1), (3000, 2), (10**9, 3)]  # (bucket_numel, micro-batches per step)
+TRAIN_STEPS, LR = 5, 1e-2
+
+
+def check_data_parallel(DataParallel: type) -> None:
+    """5 AdamW steps on 4 ranks, with gradient accumulation inside no_sync(): every step's gradients
+    and the final weights equal one process training on the same global batches, with one
+    all-reduce per bucket per step."""
+    _not_the_course_answer("check_data_parallel", DataParallel)
+    with Report("DataParallel training", note=f"{WORLD} ranks, {TRAIN_STEPS} AdamW steps; micro-batches of "
+                                              f"{BATCH_PER_RANK} sequences per rank") as report:
+        results = on_ranks(_train_on_rank, WORLD, DataParallel, TRAIN_CASES)
+        with _one_thread():
+            references = {accum: _train_one_process(accum) for accum in sorted({a for _, a in TRAIN_CASES})}
+        for i, (bucket_numel, accum) in enumerate(TRAIN_CASES):
+            per_rank = [rank[i] for rank in results]
+            grads, weights = references[accum]
+            got = per_rank[0]
+            grad_err = max(max_abs_error(g, e) for r in per_rank for g, e in zip(r["grads"], grads))
+            weight_err = max(max_abs_error(r["weights"], weights) for r in per_rank)
+            detail = ""
+            if max(got["calls"]) != got["buckets"] or min(got["calls"]) != got["buckets"]:
+                detail = (f"all-reduces per step {got['calls']}, expected one per bucket ({got['buckets']})"
+                          + ("; inside no_sync() the hooks must not mark gradients ready" if accum > 1 else ""))
+            else:
+                for rank, r in enumerate(per_rank):
+                    bad = [s for s, (g, e) in enumerate(zip(r["grads"], grads)) if not close_enough(g, e)]
+                    if bad:
+                        detail = (f"rank {rank}, step {bad[0]}: gradients differ from one process's: "
+                                  f"{mismatch(r['grads'][bad[0]], grads[bad[0]])}")
+                        break
+                if not detail and weight_err > 1e-4:  # Adam amplifies summation-order differences
+                    detail = f"final weights differ from one process's by {weight_err:.2e} (> 1e-4)"
+            report.add(not detail, detail, bucket_numel=bucket_numel, micro_batches=accum, buckets=got["buckets"],
+                       **{"all-reduces/step": max(got["calls"])}, max_grad_err=grad_err, max_weight_err=weight_err)
+
+
+def _train_on_rank(DataParallel: type, cases: list) -> list:
+    rank, out = dist.get_rank(), []
+    for bucket_numel, accum in cases:
+        model = _model()
+        dp = DataParallel(model, dist.group.WORLD, bucket_numel)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        grads, calls_per_step = [], []
+        with recorded_all_reduces() as calls:
+            for step in range(TRAIN_STEPS):
+                before = len(calls)
+                for micro in range(accum):
+                    tokens = _tokens(step, micro, rank)
+                    with dp.no_sync() if micro < accum - 1 else nullcontext():
+                        (loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / accum).backward()
+                dp.finish_gradient_sync()
+                calls_per_step.append(len(calls) - before)
+                grads.append(_flat_grads(model))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)  # zero the views in place: they are the buckets
+        out.append({"buckets": len(dp.buckets), "calls": calls_per_step, "grads": grads,
+                    "weights": torch.cat([p.detach().flatten() for p in model.parameters()])})
+    return out
+
+
+def _train_one_process(accum: int) -> tuple[list, torch.Tensor]:
+    """Plain torch: the whole global batch (every rank's micro-batches) in one backward per step."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    grads = []
+    for step in range(TRAIN_STEPS):
+        batch = torch.cat([_tokens(step, micro, r) for micro in range(accum) for r in range(WORLD)])
+        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+        grads.append(_flat_grads(model))
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, torch.cat([p.detach().flatten() for p in model.parameters()])
