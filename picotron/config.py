@@ -126,6 +126,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0                   # 0: evaluate task accuracy only at the end
     backend: str = "auto"                 # "auto", "gloo" or "nccl"
+    bucket_mb: float = 25.0               # MiB per data-parallel gradient bucket (0: one per parameter)
 
     @property
     def tokens_per_step(self) -> int:
@@ -195,6 +196,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
         raise ValueError(f"cp={p.cp} does not divide seq_len={t.seq_len}")
     if t.micro_batch_size < 1 or t.grad_accum_steps < 1 or t.steps < 0:
         raise ValueError("micro_batch_size and grad_accum_steps must be >= 1 and steps >= 0")
+    if t.bucket_mb < 0:
+        raise ValueError(f"bucket_mb={t.bucket_mb} must be >= 0 (0: one all-reduce bucket per parameter)")
     if t.backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend={t.backend!r}; choose 'auto', 'gloo' or 'nccl'")
     if world_size is not None and p.world_size != world_size:

@@ -16,7 +16,8 @@ model FLOPs utilisation (MFU):
 The peak is the spec-sheet dense bf16 figure on a known GPU (H100 SXM: 989 TFLOP/s), and on
 a CPU a measured fp32 matmul peak of this rank, labelled as such.
 
-So far the trainer runs the data-parallel axis; the other axes join as their chapters land.
+So far the trainer runs the data-parallel axis (bucketed all-reduces overlapped with
+backward, chapter 02); the other axes join as their chapters land.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +40,7 @@ from picotron.config import Config, ModelConfig, ParallelConfig, validate
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
-from picotron.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
+from picotron.parallel.data_parallel import DataParallel
 
 # Dense bf16 tensor-core peaks from the vendors' spec sheets (without sparsity), FLOP/s.
 GPU_PEAK_FLOPS = {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
@@ -107,8 +109,10 @@ class Trainer:
         self.device = launch.device()
         torch.manual_seed(config.train.seed)
         self.model = Llama(config.model).to(self.device)
-        if mesh:
-            broadcast_parameters(self.model, mesh.dp_group, counter=mesh.counter)
+        # Bucketed gradient all-reduces, overlapped with backward (chapter 02); it also
+        # broadcasts rank 0's weights so that the replicas start identical.
+        self.dp = (DataParallel(self.model, mesh.dp_group, bucket_mb=config.train.bucket_mb, counter=mesh.counter)
+                   if mesh else None)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
                                            betas=config.train.betas, weight_decay=config.train.weight_decay)
         self.loader = make_loader(config.train, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp)
@@ -116,16 +120,18 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         """Forward and backward over the micro-batches, average gradients over dp, one AdamW step."""
         t, start = self.config.train, time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.dp is None)  # with dp, .grad are views into buckets: zero in place
         local_loss, sample_ids = 0.0, []
         for micro_step in range(t.grad_accum_steps):
             batch = self.loader.get_batch(step, micro_step).to(self.device)
-            loss = loss_fn(self.model(batch.input_ids, batch.position_ids), batch.targets) / t.grad_accum_steps
-            loss.backward()
+            last = micro_step == t.grad_accum_steps - 1
+            with self.dp.no_sync() if self.dp and not last else nullcontext():  # sync once, in the last backward
+                loss = loss_fn(self.model(batch.input_ids, batch.position_ids), batch.targets) / t.grad_accum_steps
+                loss.backward()
             local_loss += loss.detach()
             sample_ids += batch.sample_ids.tolist()
-        if self.mesh:
-            all_reduce_gradients(self.model, self.mesh.dp_group, counter=self.mesh.counter)
+        if self.dp:
+            self.dp.finish_gradient_sync()
             dist.all_reduce(local_loss, group=self.mesh.dp_group)  # for the log only: not counted
             local_loss /= self.mesh.dp_size
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
@@ -198,6 +204,11 @@ def parse_args(argv: list[str] | None) -> Config:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     for name in ("lr", "weight_decay"):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
+    parser.add_argument("--bucket-mb", dest="bucket_mb", type=float,
+                        help="MiB of gradients per data-parallel all-reduce bucket (0: one per parameter)")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"],
+                        help="activation recomputation (chapter 01)")
+    parser.add_argument("--attention", choices=["sdpa", "eager"], help="fused attention or the eager scores")
     parser.add_argument("--dataset", help="'arithmetic' (built in) or a .txt/.jsonl file or folder")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"])
     args = parser.parse_args(argv)
@@ -205,6 +216,9 @@ def parse_args(argv: list[str] | None) -> Config:
     config = Config.from_json(args.config) if args.config else Config(parallel=ParallelConfig(dp=4))
     if args.preset:
         config.model = ModelConfig.preset(args.preset)
+    for name in ("recompute", "attention"):
+        if getattr(args, name) is not None:
+            config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
     for axis in ("dp", "pp", "cp", "tp"):
         if getattr(args, axis) is not None:
             setattr(config.parallel, axis, getattr(args, axis))

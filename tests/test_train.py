@@ -34,10 +34,16 @@ def record(config: Config, steps: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("dp, accum, steps", [(4, 1, 20), (2, 2, 10)])
-def test_data_parallel_equals_one_process(dp, accum, steps):
-    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=3)
-    parallel = Config(model=SMALL, parallel=ParallelConfig(dp=dp), train=train)
+@pytest.mark.parametrize("dp, accum, steps, bucket_mb, recompute", [
+    (4, 1, 20, 25.0, "none"),      # one bucket: the tiny model's gradients are 4 MB
+    (2, 2, 10, 25.0, "none"),      # gradient accumulation: no_sync, then one all-reduce per step
+    (2, 2, 6, 0.05, "selective"),  # many buckets, and a recomputed attention core
+])
+def test_data_parallel_equals_one_process(dp, accum, steps, bucket_mb, recompute):
+    model = dataclasses.replace(SMALL, recompute=recompute)
+    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=3,
+                        bucket_mb=bucket_mb)
+    parallel = Config(model=model, parallel=ParallelConfig(dp=dp), train=train)
     single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
 
     ranks = run(record, dp, args=(parallel, steps), timeout=120)
@@ -80,6 +86,8 @@ def test_command_line_overrides_and_config_file(tmp_path):
     assert config.parallel.dp == 1 and config.train.steps == 7 and config.train.lr == 1e-3
     assert config.train.betas == (0.9, 0.99)
     assert parse_args([]).parallel.dp == 4  # the default main job: 4 data-parallel ranks
+    config = parse_args(["--recompute", "full", "--attention", "eager", "--bucket-mb", "0"])
+    assert (config.model.recompute, config.model.attention, config.train.bucket_mb) == ("full", "eager", 0.0)
 
 
 def test_bad_configs_are_clear_errors(tmp_path):
@@ -87,6 +95,8 @@ def test_bad_configs_are_clear_errors(tmp_path):
         Trainer(parse_args(["--dp", "1", "--tp", "3"]))
     with pytest.raises(ValueError, match="unknown TrainConfig fields \\['stpes'\\]"):
         Config.from_dict({"train": {"stpes": 3}})
+    with pytest.raises(ValueError, match="bucket_mb=-1.0 must be >= 0"):
+        Trainer(parse_args(["--dp", "1", "--bucket-mb", "-1"]))
     with pytest.raises(ValueError, match="unknown model preset 'gpt5'"):
         Config.from_dict({"model": {"preset": "gpt5"}})
 
