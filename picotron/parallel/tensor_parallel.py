@@ -1,0 +1,619 @@
+"""Tensor parallelism: every layer's weight matrices split over the tp ranks; and sequence parallelism.
+
+A linear layer Y = X W^T is a block matrix product, so it splits over t ranks in two ways
+(Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053; Playbook, "Tensor Parallelism"):
+
+    column-parallel   W split by output features (rows of W): rank i computes Y_i = X W_i^T,
+                      its slice of Y's features. Needs all of X on every rank.
+    row-parallel      W split by input features (columns of W), X split the same way:
+                      rank i computes a partial sum X_i W_i^T, and Y = sum over ranks.
+
+A column-parallel layer followed by a row-parallel one needs no communication in between: the
+slice of features one rank produces is exactly the slice the next layer needs. So each block of
+the Llama is column then row, and talks only where it starts and where it ends
+(Playbook, "Tensor Parallelism in a Transformer Block"):
+
+    MLP         gate_proj, up_proj column-parallel (f/t features each), down_proj row-parallel
+    attention   q/k/v_proj column-parallel by heads (n_q/t query heads, n_kv/t key-value heads
+                per rank: softmax attention is independent per head), o_proj row-parallel
+    embedding   vocab-parallel: rank i holds rows [i V/t, (i+1) V/t) of the table; a token's row
+                comes from the one rank that holds it, zeros from the others, summed
+    LM head     column-parallel over the vocabulary: each rank makes logits for its V/t tokens;
+                `vocab_parallel_cross_entropy` takes the loss from them (no rank ever holds
+                full-vocabulary logits), and a tied head shares the embedding's vocab shard.
+
+The communication sits in four autograd functions, two conjugate pairs:
+
+    entering a block (tp region)                     leaving a block
+    TP  copy: identity, backward all-reduce (f)      all-reduce, backward identity (g)
+    SP  all-gather the sequence, backward            reduce-scatter the sequence, backward
+        reduce-scatter                               all-gather
+
+Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198; Playbook, "Sequence
+Parallelism"): outside the blocks, in the RMSNorms and the residual stream, plain TP repeats the
+same work on the same (batch, seq, hidden) tensor on every rank. SP splits that region along
+the sequence instead (those ops work token by token) and replaces each all-reduce, which *is* a
+reduce-scatter followed by an all-gather, by its two halves placed at the region borders.
+
+Cost per decoder layer and rank (b batch, s sequence, h hidden, t = tp, a bytes per element):
+
+    communication  TP: 2 all-reduces of b s h a in forward, 2 in backward.
+                   SP: 2 all-gathers + 2 reduce-scatters in forward, as many in backward; plus 2
+                       all-reduces of the h-element norm-weight gradients.
+                   Ring algorithms send 2 (t-1)/t b s h a per all-reduce, (t-1)/t b s h a per
+                   all-gather or reduce-scatter: 8 (t-1)/t b s h a per layer per step either way
+                   (`tp_comm_bytes_per_layer`; `tp_comm_per_layer` and `tp_comm_per_step`, for
+                   the whole model and its loss, give what CommCounter counts).
+                   This sits on the critical path of every layer: TP stays inside a node.
+    memory         weights, gradients and optimizer state of every Linear and of the embedding
+                   divided by t (the RMSNorm weights, 2 h per layer, are replicated).
+                   Activations (`tp_activation_bytes_per_layer`): attention and MLP tensors / t;
+                   TP leaves the norms' b s h-sized tensors whole on every rank, SP divides them
+                   by t too, except the all-gathered input of the column-parallel Linears (a b s h
+                   per block), which Megatron also shards by all-gathering it again in backward.
+
+How to use it (every rank builds the same model first, e.g. same seed, and sees the same tokens):
+
+    model = Llama(config)                                  # identical on every tp rank
+    apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    logits = model(input_ids)                              # (batch, seq, vocab/tp): this rank's vocab
+    loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp_group, counter=mesh.counter)
+    loss.backward()                                        # every rank holds the same loss
+
+The plain model file is untouched: the Linears and the embedding are swapped for sharded ones,
+and a forward pre-hook makes attention's and the MLP's input enter the tp region once per block
+(q, k and v read the same input, so one all-reduce in backward serves all three).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from picotron import comm
+from picotron.comm import CommCounter
+from picotron.config import ModelConfig
+from picotron.model import DecoderLayer, Llama
+
+__all__ = ["copy_to_tp_region", "reduce_from_tp_region", "gather_from_sp_region", "reduce_scatter_to_sp_region",
+           "gather_along", "split_along", "enter_tp_region", "exit_tp_region",
+           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "check_tensor_parallel", "parallelize_layer", "apply_tensor_parallel",
+           "split_sequence", "gather_parameters", "gather_gradients",
+           "tp_comm_per_layer", "tp_comm_per_step", "tp_comm_bytes_per_layer", "tp_activation_bytes_per_layer"]
+
+SEQ_DIM = 1  # activations are (batch, seq, hidden)
+
+
+# ---- moving a tensor along one dimension --------------------------------------------------------
+def _all_reduce(x: torch.Tensor, group, counter: CommCounter | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce `x` over the ranks, in place (nothing to do, and nothing counted, on one rank)."""
+    if dist.get_world_size(group) > 1:
+        comm.all_reduce(x, group=group, op=op, counter=counter)
+    return x
+
+
+def _all_gather_along(x: torch.Tensor, dim: int, group, counter: CommCounter | None) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, rank 0's first."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x.contiguous()
+    # The collectives concatenate and split along the first dimension of contiguous memory.
+    # Megatron keeps activations (seq, batch, hidden) so the sequence is already first; picotron's
+    # model is batch-first, so we pay a copy each way.
+    shard = x.movedim(dim, 0).contiguous()                           # (n, ...): `dim` first
+    full = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))  # (world * n, ...)
+    comm.all_gather(full, shard, group=group, counter=counter)
+    return full.movedim(0, dim).contiguous()                         # `dim` back in place, world times longer
+
+
+def _reduce_scatter_along(x: torch.Tensor, dim: int, group, counter: CommCounter | None) -> torch.Tensor:
+    """Sum `x` over the ranks and keep this rank's 1/world slice of the sum along `dim`."""
+    world = dist.get_world_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"{x.shape[dim]} positions along dim {dim} of a {tuple(x.shape)} tensor do not split over "
+                         f"tp={world} ranks; sequence parallelism needs a sequence length divisible by {world}")
+    if world == 1:
+        return x.contiguous()
+    full = x.movedim(dim, 0).contiguous()                            # (world * n, ...)
+    shard = full.new_empty((full.shape[0] // world, *full.shape[1:]))  # (n, ...)
+    comm.reduce_scatter(shard, full, group=group, counter=counter)
+    return shard.movedim(0, dim).contiguous()
+
+
+def _split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's 1/world slice of `x` along `dim` (no communication)."""
+    world = dist.get_world_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"a dimension of {x.shape[dim]} (shape {tuple(x.shape)}, dim {dim}) does not split "
+                         f"over tp={world} ranks; choose sizes divisible by {world}")
+    return x.chunk(world, dim)[dist.get_rank(group)].contiguous()
+
+
+def _summable(grad: torch.Tensor) -> torch.Tensor:
+    # A contiguous copy to reduce in place: autograd may still hold the incoming gradient elsewhere.
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+# ---- the autograd functions: where tensor parallelism communicates ---------------------------------
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward. Enters a tp region from a replicated tensor.
+
+    Each rank feeds the same X into its own slice of a column-parallel layer, so each rank's dL/dX
+    covers only its slice of the output features: the whole gradient is their sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, counter):
+        ctx.group, ctx.counter = group, counter
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(_summable(grad), ctx.group, ctx.counter), None, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward. Leaves a tp region (after a row-parallel layer).
+
+    Y = sum_i Y_i, so dL/dY_i = dL/dY; and every rank computes the same thing from the same sum,
+    so every rank already holds that whole gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, counter):
+        return _all_reduce(x.contiguous().clone(), group, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class GatherFromSP(torch.autograd.Function):
+    """SP's way in: all-gather the sequence forward, reduce-scatter backward.
+
+    (batch, seq/t, hidden) -> (batch, seq, hidden). In backward each rank's gradient of the whole
+    sequence is partial (its slice of features), like f's: sum them, and keep our tokens' part.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, counter):
+        ctx.group, ctx.counter = group, counter
+        return _all_gather_along(x, SEQ_DIM, group, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_along(grad, SEQ_DIM, ctx.group, ctx.counter), None, None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    """SP's way out: reduce-scatter the sequence forward, all-gather backward.
+
+    (batch, seq, hidden) partial sums -> (batch, seq/t, hidden) whole. In backward every rank
+    needs the gradient of the whole sequence, and each holds that of its own tokens.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, counter):
+        ctx.group, ctx.counter = group, counter
+        return _reduce_scatter_along(x, SEQ_DIM, group, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along(grad, SEQ_DIM, ctx.group, ctx.counter), None, None
+
+
+class GatherAlong(torch.autograd.Function):
+    """All-gather along `dim` forward, keep our slice backward.
+
+    For a result that every rank then uses the same way (a column-parallel output gathered for
+    replicated code): its gradient is the same on all ranks, so each keeps its part, no sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group, counter):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather_along(x, dim, group, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_along(grad, ctx.dim, ctx.group), None, None, None
+
+
+class SplitAlong(torch.autograd.Function):
+    """Keep our slice along `dim` forward, all-gather backward: a replicated tensor into shards.
+
+    Each rank's slice gets the gradient of its own part only; the whole gradient is their union.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group, counter):
+        ctx.dim, ctx.group, ctx.counter = dim, group, counter
+        return _split_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along(grad, ctx.dim, ctx.group, ctx.counter), None, None, None
+
+
+def copy_to_tp_region(x, group, counter=None):
+    return CopyToTP.apply(x, group, counter)
+
+
+def reduce_from_tp_region(x, group, counter=None):
+    return ReduceFromTP.apply(x, group, counter)
+
+
+def gather_from_sp_region(x, group, counter=None):
+    return GatherFromSP.apply(x, group, counter)
+
+
+def reduce_scatter_to_sp_region(x, group, counter=None):
+    return ReduceScatterToSP.apply(x, group, counter)
+
+
+def gather_along(x, dim, group, counter=None):
+    return GatherAlong.apply(x, dim, group, counter)
+
+
+def split_along(x, dim, group, counter=None):
+    return SplitAlong.apply(x, dim, group, counter)
+
+
+def split_sequence(x, group, counter=None):
+    """(batch, seq, ...) the same on every rank -> this rank's (batch, seq/t, ...) piece, to feed an SP region."""
+    return split_along(x, SEQ_DIM, group, counter)
+
+
+def enter_tp_region(x, group, sequence_parallel=False, counter=None):
+    """(batch, seq, h) replicated, or (batch, seq/t, h) under SP -> (batch, seq, h) for column-parallel layers."""
+    return gather_from_sp_region(x, group, counter) if sequence_parallel else copy_to_tp_region(x, group, counter)
+
+
+def exit_tp_region(x, group, sequence_parallel=False, counter=None):
+    """(batch, seq, h) partial sums -> the sum, (batch, seq, h) replicated or (batch, seq/t, h) under SP."""
+    if sequence_parallel:
+        return reduce_scatter_to_sp_region(x, group, counter)
+    return reduce_from_tp_region(x, group, counter)
+
+
+# ---- sharded modules --------------------------------------------------------------------------------
+def _shard(weight: torch.Tensor, dim: int, group, what: str) -> nn.Parameter:
+    """This rank's slice of a full weight along `dim`, as a new Parameter marked with that dim."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if weight.shape[dim] % world:
+        raise ValueError(f"tp={world} does not divide the {weight.shape[dim]} {what} of a weight of shape "
+                         f"{tuple(weight.shape)}; choose tp among the divisors of {weight.shape[dim]}")
+    shard = nn.Parameter(weight.detach().chunk(world, dim)[rank].clone(), requires_grad=weight.requires_grad)
+    shard.tp_shard_dim = dim   # how to put the full weight back together (gather_parameters)
+    return shard
+
+
+def _no_bias(module: nn.Module) -> None:
+    if getattr(module, "bias", None) is not None:
+        raise ValueError(f"{type(module).__name__} has a bias; picotron's tensor parallelism shards bias-free "
+                         f"Linears (the Llama has none)")
+
+
+class ColumnParallelLinear(nn.Module):
+    """A Linear whose output features are split over the tp ranks: Y_i = X W_i^T, W_i = rows of W.
+
+    Built from the full `linear` (every rank slices its own rows, so the result equals it exactly).
+    The input must be whole on every rank: with enter_region=True the layer brings it there itself
+    (copy, or all-gather of the sequence under SP); False when the caller did it once for several
+    layers that read the same input (q, k, v; gate, up), which saves an all-reduce per extra layer
+    in backward. gather_output=True all-gathers the features for code that needs all of them.
+    """
+
+    def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False, enter_region: bool = True,
+                 gather_output: bool = False, counter: CommCounter | None = None):
+        super().__init__()
+        _no_bias(linear)
+        self.group, self.sequence_parallel, self.counter = group, sequence_parallel, counter
+        self.enter_region, self.gather_output = enter_region, gather_output
+        self.weight = _shard(linear.weight, 0, group, "output features")   # (out/t, in)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter_region:
+            x = enter_tp_region(x, self.group, self.sequence_parallel, self.counter)   # (batch, seq, in)
+        y = F.linear(x, self.weight)                                                   # (batch, seq, out/t)
+        if self.gather_output:
+            y = gather_along(y, -1, self.group, self.counter)                          # (batch, seq, out)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (this rank's)"
+
+
+class RowParallelLinear(nn.Module):
+    """A Linear whose input features are split over the tp ranks: Y = sum_i X_i W_i^T, W_i = columns of W.
+
+    Its input is this rank's slice of features (what a column-parallel layer produced), or, with
+    split_input=True, the whole input, which it slices itself. The partial sums leave the tp region
+    summed: all-reduced, or reduce-scattered along the sequence under SP.
+    """
+
+    def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False, split_input: bool = False,
+                 counter: CommCounter | None = None):
+        super().__init__()
+        _no_bias(linear)
+        self.group, self.sequence_parallel, self.counter = group, sequence_parallel, counter
+        self.split_input = split_input
+        self.weight = _shard(linear.weight, 1, group, "input features")    # (out, in/t)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = split_along(x, -1, self.group, self.counter)                # (batch, seq, in/t)
+        partial = F.linear(x, self.weight)                                  # (batch, seq, out): our share of the sum
+        return exit_tp_region(partial, self.group, self.sequence_parallel, self.counter)  # (batch, seq or seq/t, out)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (this rank's), out_features={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token table split by vocabulary: rank i holds rows [i V/t, (i+1) V/t).
+
+    A lookup is a one-hot row times the table, so this is a row-parallel layer: every rank
+    returns the rows of the tokens it holds and zeros for the others, and the sum over ranks (the
+    exit of a tp region: all-reduce, or reduce-scatter of the sequence under SP) has every row.
+    """
+
+    def __init__(self, embedding: nn.Embedding, group, *, sequence_parallel: bool = False,
+                 counter: CommCounter | None = None):
+        super().__init__()
+        self.group, self.sequence_parallel, self.counter = group, sequence_parallel, counter
+        self.weight = _shard(embedding.weight, 0, group, "vocabulary entries")   # (V/t, hidden)
+        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+        self.vocab_end = self.vocab_start + self.weight.shape[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: (batch, seq), the same on every tp rank
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(~mine, 0)      # a valid row, zeroed below
+        rows = F.embedding(local_ids, self.weight).masked_fill(~mine[..., None], 0.0)  # (batch, seq, hidden)
+        return exit_tp_region(rows, self.group, self.sequence_parallel, self.counter)  # (batch, seq or seq/t, hidden)
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group, *,
+                                 counter: CommCounter | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy from each rank's slice of the vocabulary: picotron.model.loss_fn, sharded.
+
+    local_logits: (batch, seq, V/t), rank i's vocabulary entries [i V/t, (i+1) V/t); targets:
+    (batch, seq), the same on every rank. -log softmax(z)_y = log sum_v exp(z_v - m) - (z_y - m)
+    needs only three numbers per token from all ranks: the max m, the sum of exponentials and the
+    target's logit (held by one rank). Three all-reduces of b s fp32 values instead of gathering
+    b s V logits. Every rank returns the same loss and runs backward from it; the sums' backward
+    is the identity (ReduceFromTP) because each rank's part enters that loss once.
+    """
+    logits = local_logits.float()                                     # (batch, seq, V/t), in fp32 like loss_fn
+    vocab_start = dist.get_rank(group) * logits.shape[-1]
+    # Softmax does not change when every logit moves by the same amount: subtract the global max so
+    # exp cannot overflow. A constant for autograd (detached).
+    row_max = logits.detach().amax(dim=-1)                            # (batch, seq)
+    _all_reduce(row_max, group, counter, op=dist.ReduceOp.MAX)
+    shifted = logits - row_max[..., None]
+    sum_exp = reduce_from_tp_region(shifted.exp().sum(dim=-1), group, counter)   # (batch, seq): over all V
+    mine = (targets >= vocab_start) & (targets < vocab_start + logits.shape[-1])
+    local_targets = (targets - vocab_start).masked_fill(~mine, 0)
+    target_logit = shifted.gather(-1, local_targets[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
+    target_logit = reduce_from_tp_region(target_logit, group, counter)            # (batch, seq): from its owner
+    losses = sum_exp.log() - target_logit                             # (batch, seq)
+    valid = targets != ignore_index
+    return losses.masked_fill(~valid, 0.0).sum() / valid.sum()
+
+
+# ---- applying it to the Llama ---------------------------------------------------------------------
+def _check_divides(tp: int, **sizes: int) -> None:
+    for name, size in sizes.items():
+        if size % tp:
+            common = [d for d in range(1, min(sizes.values()) + 1) if all(v % d == 0 for v in sizes.values())]
+            raise ValueError(f"tp={tp} does not divide {name}={size}: each tp rank holds an equal share of it; "
+                             f"choose tp among {common} (the common divisors of "
+                             f"{', '.join(f'{n}={v}' for n, v in sizes.items())})")
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
+    """Raise ValueError if the model cannot be split over tp ranks (whole heads, equal shards)."""
+    _check_divides(tp, num_attention_heads=config.num_attention_heads,
+                   num_key_value_heads=config.num_key_value_heads,
+                   intermediate_size=config.intermediate_size, vocab_size=config.vocab_size)
+
+
+def _enter_region_on_input(module: nn.Module, group, sequence_parallel: bool, counter) -> None:
+    """Make the first input of `module` enter the tp region before the module reads it."""
+    def hook(module, args):
+        x, *rest = args
+        return (enter_tp_region(x, group, sequence_parallel, counter), *rest)
+    module.register_forward_pre_hook(hook)
+
+
+def _sum_grad_over_tp(param: nn.Parameter, group, counter) -> None:
+    """Under SP a replicated weight (RMSNorm's) meets only this rank's tokens: its gradient is a
+    partial sum over the sequence, and the weight's gradient is the sum over the tp ranks. It is
+    f (copy forward, all-reduce backward) applied to the weight. A hook on the tensor sees this
+    backward's gradient before it is added into .grad, so gradient accumulation stays right."""
+    if dist.get_world_size(group) > 1:
+        param.register_hook(lambda grad: _all_reduce(_summable(grad), group, counter))
+
+
+def parallelize_layer(layer: DecoderLayer, group, *, sequence_parallel: bool = False,
+                      counter: CommCounter | None = None) -> DecoderLayer:
+    """Split one decoder layer over `group` in place: attention by heads, the MLP by its width.
+
+    Input and output: (batch, seq, hidden) on every rank, or (batch, seq/t, hidden) under SP.
+    """
+    tp, attn, mlp = dist.get_world_size(group), layer.attn, layer.mlp
+    _check_divides(tp, num_attention_heads=attn.q_proj.out_features // attn.head_dim,
+                   num_key_value_heads=attn.k_proj.out_features // attn.head_dim,
+                   intermediate_size=mlp.gate_proj.out_features)
+    column = dict(sequence_parallel=sequence_parallel, enter_region=False, counter=counter)
+    row = dict(sequence_parallel=sequence_parallel, counter=counter)
+    # Attention computes its head counts from these Linears' sizes: n_q/t and n_kv/t heads here.
+    attn.q_proj = ColumnParallelLinear(attn.q_proj, group, **column)
+    attn.k_proj = ColumnParallelLinear(attn.k_proj, group, **column)
+    attn.v_proj = ColumnParallelLinear(attn.v_proj, group, **column)
+    attn.o_proj = RowParallelLinear(attn.o_proj, group, **row)
+    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group, **column)
+    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, **column)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, group, **row)
+    # One entry per block, shared by the Linears that read its input.
+    _enter_region_on_input(attn, group, sequence_parallel, counter)
+    _enter_region_on_input(mlp, group, sequence_parallel, counter)
+    if sequence_parallel:
+        for norm in (layer.attn_norm, layer.mlp_norm):
+            _sum_grad_over_tp(norm.weight, group, counter)
+    return layer
+
+
+def apply_tensor_parallel(model: Llama, mesh, sequence_parallel: bool = False, *,
+                          counter: CommCounter | None = None) -> Llama:
+    """Split a plain Llama over mesh.tp_group in place; it then computes what it computed before.
+
+    The model must be identical on every tp rank (same seed, or broadcast first): each rank keeps
+    its slice of the full weights. Afterwards it takes the same (batch, seq) token ids on every tp
+    rank and returns this rank's (batch, seq, vocab/tp) logits, for `vocab_parallel_cross_entropy`.
+    Under SP the embedding reduce-scatters the sequence, so the layers and the final norm see
+    (batch, seq/tp, hidden), and the LM head all-gathers it back. counter: mesh.counter by default.
+    """
+    check_tensor_parallel(model.config, mesh.tp_size)
+    group = mesh.tp_group
+    counter = mesh.counter if counter is None else counter
+    tied = model.lm_head.weight is model.embed.weight
+    for layer in model.layers:
+        parallelize_layer(layer, group, sequence_parallel=sequence_parallel, counter=counter)
+    model.embed = VocabParallelEmbedding(model.embed, group, sequence_parallel=sequence_parallel, counter=counter)
+    model.lm_head = ColumnParallelLinear(model.lm_head, group, sequence_parallel=sequence_parallel, counter=counter)
+    if tied:   # the same vocabulary rows read tokens in and write logits out: one shard serves both
+        model.lm_head.weight = model.embed.weight
+    if sequence_parallel:
+        _sum_grad_over_tp(model.norm.weight, group, counter)
+    return model
+
+
+def _gather_full(model: nn.Module, group, tensor_of) -> dict[str, torch.Tensor]:
+    full = {}
+    for name, param in model.named_parameters():   # a tied weight appears once, under its first name
+        tensor = tensor_of(param)
+        if tensor is not None:
+            tensor = tensor.detach().clone()
+            if hasattr(param, "tp_shard_dim"):
+                tensor = _all_gather_along(tensor, param.tp_shard_dim, group, None)
+        full[name] = tensor
+    return full
+
+
+def gather_parameters(model: nn.Module, group) -> dict[str, torch.Tensor]:
+    """The full weights by name (the plain model's names), from every rank's shards. Not counted."""
+    return _gather_full(model, group, lambda p: p)
+
+
+def gather_gradients(model: nn.Module, group) -> dict[str, torch.Tensor]:
+    """The full gradients by name, from every rank's shards (None where a parameter has none). Not counted."""
+    return _gather_full(model, group, lambda p: p.grad)
+
+
+# ---- cost formulas ----------------------------------------------------------------------------------
+def tp_comm_per_layer(batch: int, seq: int, hidden: int, tp: int, sequence_parallel: bool = False,
+                      dtype_bytes: int = 4) -> dict[str, dict[str, tuple[int, int]]]:
+    """What one decoder layer hands to the collectives on each rank, per pass, as CommCounter counts it.
+
+    {"forward": {op: (calls, payload bytes)}, "backward": {...}} in CommCounter.snapshot()'s format
+    (payload: an all-reduce's or reduce-scatter's whole input, an all-gather's shard). Without
+    recomputation; "full" recomputation runs the forward's collectives once more in backward.
+    """
+    if tp == 1:
+        return {"forward": {}, "backward": {}}
+    activation = batch * seq * hidden * dtype_bytes                  # b s h a
+    if not sequence_parallel:
+        both = {"all_reduce": (2, 2 * activation)}                    # leaving attention and MLP / entering them
+        return {"forward": both, "backward": dict(both)}
+    gathers = {"all_gather": (2, 2 * activation // tp), "reduce_scatter": (2, 2 * activation)}
+    norm_grads = {"all_reduce": (2, 2 * hidden * dtype_bytes)}        # the two RMSNorm weights' gradients
+    return {"forward": gathers, "backward": {**gathers, **norm_grads}}
+
+
+def tp_comm_per_step(config: ModelConfig, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
+                     dtype_bytes: int = 4) -> dict[str, dict[str, tuple[int, int]]]:
+    """`tp_comm_per_layer` for the whole model and its loss: one forward and one backward, same format.
+
+    Besides the layers: the embedding leaves a tp region (forward; under SP also an all-gather in
+    backward), the LM head enters one (backward; under SP also an all-gather in forward), the loss
+    all-reduces three fp32 numbers per token (max, sum of exponentials, target logit), and under
+    SP the final norm's weight gradient is all-reduced.
+    """
+    per_layer = tp_comm_per_layer(batch, seq, config.hidden_size, tp, sequence_parallel, dtype_bytes)
+    if tp == 1:
+        return per_layer
+    activation = batch * seq * config.hidden_size * dtype_bytes
+    loss = {"all_reduce": (3, 3 * batch * seq * 4)}
+    if sequence_parallel:
+        gather, scatter = {"all_gather": (1, activation // tp)}, {"reduce_scatter": (1, activation)}
+        forward = [scatter, gather, loss]                                   # embedding, LM head, loss
+        backward = [gather, scatter, {"all_reduce": (1, config.hidden_size * dtype_bytes)}]
+    else:
+        forward = [{"all_reduce": (1, activation)}, loss]                   # embedding, loss
+        backward = [{"all_reduce": (1, activation)}]                        # LM head's input
+    layers = {pass_: {op: (config.num_layers * calls, config.num_layers * nbytes)
+                      for op, (calls, nbytes) in per_layer[pass_].items()} for pass_ in per_layer}
+    return {"forward": _add_counts(layers["forward"], *forward), "backward": _add_counts(layers["backward"], *backward)}
+
+
+def _add_counts(*counts: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    total: dict[str, tuple[int, int]] = {}
+    for count in counts:
+        for op, (calls, nbytes) in count.items():
+            before = total.get(op, (0, 0))
+            total[op] = (before[0] + calls, before[1] + nbytes)
+    return dict(sorted(total.items()))
+
+
+def tp_comm_bytes_per_layer(batch: int, seq: int, hidden: int, tp: int, sequence_parallel: bool = False,
+                            dtype_bytes: int = 4) -> int:
+    """Bytes each rank sends per decoder layer per training step (forward + backward), ring algorithms.
+
+    TP: 4 all-reduces of b s h a, each 2 (t-1)/t of it on the wire. SP: 4 all-gathers and 4
+    reduce-scatters, each (t-1)/t of it. The same 8 (t-1)/t b s h a: SP moves no more bytes than
+    TP (leaving out SP's norm-weight gradients, 2 all-reduces of h values).
+    """
+    activation = batch * seq * hidden * dtype_bytes
+    collectives = 8 if sequence_parallel else 4
+    per_collective = (1 if sequence_parallel else 2) * (tp - 1) * activation // tp
+    return collectives * per_collective
+
+
+def tp_activation_bytes_per_layer(config: ModelConfig, batch: int, seq: int, tp: int,
+                                  sequence_parallel: bool = False, dtype_bytes: int = 4) -> int:
+    """Bytes one decoder layer saves for backward on each rank, counted like memory.activation_bytes_per_layer.
+
+    With a = dtype_bytes, t = tp, n = b s tokens, and n' = n / t under SP, n' = n under TP alone
+    (the tokens this rank's norms and residual stream see):
+
+        RMSNorm, twice   (4 + a) n' h + 4 n'   fp32 input, normalised x, 1/rms per token
+                         + a n h               output as the column-parallel Linears read it:
+                                               replicated (TP) or all-gathered (SP), never sharded
+        attention        a n (2 n_q d + 2 n_kv d) / t   q, k after RoPE, v, output: heads / t
+            sdpa         + 4 b (n_q/t) s
+            eager        + 2a n (n_q - n_kv) d / t + a b (n_q/t) s^2
+        SwiGLU MLP       4 a n f / t
+    "selective" recomputation drops the attention core's terms; "full" keeps a n' h, the layer input.
+    """
+    a, t, h = dtype_bytes, tp, config.hidden_size
+    tokens = batch * seq
+    my_tokens = batch * (seq // t) if sequence_parallel else tokens
+    if config.recompute == "full":
+        return a * my_tokens * h
+    heads, kv_heads, d = config.num_attention_heads // t, config.num_key_value_heads // t, config.head_dim
+    norms = 2 * ((4 + a) * my_tokens * h + 4 * my_tokens + a * tokens * h)
+    attention = a * tokens * (2 * heads * d + 2 * kv_heads * d)
+    mlp = 4 * a * tokens * (config.intermediate_size // t)
+    if config.recompute == "none":
+        if config.attention == "sdpa":
+            attention += 4 * batch * heads * seq                                        # log-sum-exp
+        else:
+            attention += 2 * a * tokens * (heads - kv_heads) * d + a * batch * heads * seq * seq
+    return norms + attention + mlp
