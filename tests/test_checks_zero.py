@@ -1,0 +1,330 @@
+"""The checks of assignment 03 pass a correct answer and fail planted wrong ones.
+
+The correct answers are written here, not taken from the solution notebook (which runs under
+nbval on its own), so a check that passes everything, or nothing, is caught. Nothing here uses
+picotron.parallel.zero.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from picotron.course.checks_zero import (check_shard_range, check_zero1, check_zero3_forward, check_zero3_training,
+                                         recorded_collectives)
+from picotron.launch import run
+
+AVG = dist.ReduceOp.AVG
+
+
+# ---- a correct answer ------------------------------------------------------------------------
+def ref_shard_range(numel, rank, world):
+    size = (numel + world - 1) // world
+    return rank * size, rank * size + size
+
+
+def _views_of(flat, params, attribute):
+    start = 0
+    for p in params:
+        setattr(p, attribute, flat.narrow(0, start, p.numel()).view(p.shape))
+        start += p.numel()
+
+
+class RefZero1:
+    """Model parameters and gradients are views of two padded flat buffers; AdamW over this rank's slice."""
+
+    def __init__(self, model, group, lr):
+        self.group = group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        params = list(model.parameters())
+        numel = sum(p.numel() for p in params)
+        start, stop = ref_shard_range(numel, rank, world)
+        self.flat_params = torch.zeros(world * (stop - start))
+        self.flat_params[:numel] = torch.cat([p.detach().reshape(-1) for p in params])
+        self.flat_grads = torch.zeros_like(self.flat_params)
+        _views_of(self.flat_params, params, "data")
+        _views_of(self.flat_grads, params, "grad")
+        self.param_shard = nn.Parameter(self.flat_params[start:stop].clone())
+        self.optimizer = torch.optim.AdamW([self.param_shard], lr=lr)
+
+    def step(self):
+        self.param_shard.grad = self.reduce(self.flat_grads)
+        self.optimizer.step()
+        self.gather()
+
+    def reduce(self, flat):
+        shard = torch.empty_like(self.param_shard)
+        dist.reduce_scatter_tensor(shard, flat, op=AVG, group=self.group)
+        return shard
+
+    def gather(self):
+        dist.all_gather_into_tensor(self.flat_params, self.param_shard.detach(), group=self.group)
+
+    def zero_grad(self):
+        self.flat_grads.zero_()
+
+
+class RefUnit:
+    """One module's parameters as views of a padded flat buffer; this rank keeps 1/N of it."""
+
+    def __init__(self, module, params, group):
+        self.module, self.params, self.group = module, list(params), group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        numel = sum(p.numel() for p in self.params)
+        start, stop = ref_shard_range(numel, rank, world)
+        self.full = torch.zeros(world * (stop - start))
+        self.full[:numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
+        _views_of(self.full, self.params, "data")
+        self.shard = nn.Parameter(self.full[start:stop].clone())
+        self.pending = len(self.params)
+        self.hook_forward()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+        self.free()
+
+    def hook_forward(self):
+        self.module.register_forward_pre_hook(self.pre_forward)
+        self.module.register_forward_hook(self.post_forward)
+
+    def pre_forward(self, module, args):
+        self.gather()
+
+    def post_forward(self, module, args, output):
+        self.free()
+        if output.requires_grad:
+            output.register_hook(self.pre_backward)
+
+    def pre_backward(self, grad):
+        self.gather()
+
+    def grad_ready(self, param):
+        self.pending -= 1
+        if not self.pending:
+            self.pending = len(self.params)
+            self.reduce_grads()
+            self.free()
+
+    def gather(self):
+        self.full.untyped_storage().resize_(self.full.numel() * 4)
+        dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)
+
+    def flat_grad(self):
+        flat = torch.zeros(self.full.numel())
+        flat[:sum(p.numel() for p in self.params)] = torch.cat([p.grad.reshape(-1) for p in self.params])
+        return flat
+
+    def reduce_grads(self):
+        shard = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(shard, self.flat_grad(), op=AVG, group=self.group)
+        self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
+        for p in self.params:
+            p.grad = None
+
+
+class RefUnitWithComm(RefUnit):
+    """The same through picotron.comm's wrappers (which call torch under other names)."""
+
+    def gather(self):
+        from picotron.comm import all_gather
+        self.full.untyped_storage().resize_(self.full.numel() * 4)
+        all_gather(self.full, self.shard.detach(), self.group)
+
+    def reduce_grads(self):
+        from picotron.comm import reduce_scatter
+        shard = torch.empty_like(self.shard)
+        reduce_scatter(shard, self.flat_grad(), self.group, op=AVG)
+        self.shard.grad = shard
+        for p in self.params:
+            p.grad = None
+
+
+class RefUnitBackwardPreHook(RefUnit):
+    """Another valid wiring: gather for backward from a module backward pre-hook, not an output hook."""
+
+    def hook_forward(self):
+        self.module.register_forward_pre_hook(self.pre_forward)
+        self.module.register_forward_hook(lambda module, args, output: self.free())
+        self.module.register_full_backward_pre_hook(lambda module, grad_output: self.gather())
+
+
+CORRECT = [(check_shard_range, ref_shard_range), (check_zero1, RefZero1), (check_zero3_forward, RefUnit),
+           (check_zero3_training, RefUnit), (check_zero3_training, RefUnitWithComm),
+           (check_zero3_training, RefUnitBackwardPreHook)]
+
+
+@pytest.mark.parametrize("check, answer", CORRECT, ids=["shard_range", "zero1", "zero3_forward", "zero3_training",
+                                                        "zero3_training_comm", "zero3_training_module_hook"])
+def test_correct_answer_passes(check, answer, capsys):
+    check(answer)
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and " ok" in out
+
+
+# ---- planted wrong answers -------------------------------------------------------------------
+def sr_floor(numel, rank, world):
+    size = numel // world  # rounds down: the last numel % world elements belong to nobody
+    return rank * size, (rank + 1) * size
+
+
+def sr_uneven(numel, rank, world):
+    size, extra = divmod(numel, world)  # torch.tensor_split's cut: sizes differ by one
+    start = rank * size + min(rank, extra)
+    return start, start + size + (rank < extra)
+
+
+class Zero1Sums(RefZero1):
+    def reduce(self, flat):
+        shard = torch.empty_like(self.param_shard)
+        dist.reduce_scatter_tensor(shard, flat, group=self.group)  # sum, never divided
+        return shard
+
+
+class Zero1AllReduce(RefZero1):
+    def reduce(self, flat):
+        dist.all_reduce(flat, op=AVG, group=self.group)  # the whole mean everywhere, then a slice of it
+        rank, size = dist.get_rank(self.group), self.param_shard.numel()
+        return flat[rank * size:(rank + 1) * size].clone()
+
+
+class Zero1WholeModel(RefZero1):
+    """Plain data parallelism in ZeRO's clothes: every rank keeps AdamW state for every parameter."""
+
+    def __init__(self, model, group, lr):
+        super().__init__(model, group, lr)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step(self):
+        dist.all_reduce(self.flat_grads, op=AVG, group=self.group)
+        self.optimizer.step()
+
+
+class Zero1NoAllGather(RefZero1):
+    def gather(self):  # the updated shard goes back into this rank's slice only
+        rank, size = dist.get_rank(self.group), self.param_shard.numel()
+        self.flat_params[rank * size:(rank + 1) * size] = self.param_shard.detach()
+
+
+class Zero1NoDetach(RefZero1):
+    def gather(self):  # param_shard requires grad: torch refuses to write it into flat_params' views
+        dist.all_gather_into_tensor(self.flat_params, self.param_shard, group=self.group)
+
+
+class Zero1Unpadded(RefZero1):
+    """Reduce-scatters the gradients of the parameters only, without the padding."""
+
+    def __init__(self, model, group, lr):
+        super().__init__(model, group, lr)
+        self.numel = sum(p.numel() for p in model.parameters())
+
+    def reduce(self, flat):
+        return super().reduce(flat[:self.numel])
+
+
+class UnitNeverFrees(RefUnit):
+    def free(self):
+        pass
+
+
+class UnitGathersIntoFreedMemory(RefUnit):
+    def gather(self):  # forgets to give the buffer its memory back
+        dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)
+
+
+class UnitNoForwardGather(RefUnit):
+    def hook_forward(self):
+        self.module.register_forward_hook(self.post_forward)
+
+
+class UnitNoBackwardGather(RefUnit):
+    def post_forward(self, module, args, output):
+        self.free()
+
+
+class UnitSums(RefUnit):
+    def reduce_grads(self):
+        shard = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(shard, self.flat_grad(), group=self.group)
+        self.shard.grad = shard
+        for p in self.params:
+            p.grad = None
+
+
+class UnitAllReduce(RefUnit):
+    def reduce_grads(self):
+        flat = self.flat_grad()
+        dist.all_reduce(flat, op=AVG, group=self.group)
+        rank, size = dist.get_rank(self.group), self.shard.numel()
+        self.shard.grad = flat[rank * size:(rank + 1) * size].clone()
+        for p in self.params:
+            p.grad = None
+
+
+class UnitKeepsFullGrads(RefUnit):
+    def reduce_grads(self):
+        shard = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(shard, self.flat_grad(), op=AVG, group=self.group)
+        self.shard.grad = shard  # the p.grad stay: a full gradient on every rank
+
+
+class UnitUnpadded(RefUnit):
+    def flat_grad(self):
+        return torch.cat([p.grad.reshape(-1) for p in self.params])
+
+
+CourseAnswer = type("Zero1", (RefZero1,), {"__module__": "picotron.parallel.zero"})  # named, never imported
+
+WRONG_ANSWERS = [
+    (check_shard_range, sr_floor, "cover only"),
+    (check_shard_range, sr_uneven, "same size"),
+    (check_zero1, Zero1Sums, "looks like the sum"),
+    (check_zero1, Zero1AllReduce, "called all-reduce"),
+    (check_zero1, Zero1WholeModel, "whole model"),
+    (check_zero1, Zero1NoAllGather, "no all-gather"),
+    (check_zero1, Zero1Unpadded, "Pad the flat buffer"),
+    (check_zero1, Zero1NoDetach, r"detach\(\)"),
+    (check_zero1, CourseAnswer, "the course's answer"),
+    (check_zero3_forward, UnitNeverFrees, "still hold"),
+    (check_zero3_forward, UnitGathersIntoFreedMemory, "memory was freed"),
+    (check_zero3_forward, UnitNoForwardGather, "starts its forward with parameters that have no memory"),
+    (check_zero3_training, UnitNoBackwardGather, "runs its backward with parameters that have no memory"),
+    (check_zero3_training, UnitSums, "looks like the sum"),
+    (check_zero3_training, UnitAllReduce, "all-reduce called"),
+    (check_zero3_training, UnitKeepsFullGrads, "full gradients"),
+    (check_zero3_training, UnitUnpadded, "Pad the flat buffer"),
+]
+
+
+@pytest.mark.parametrize("check, answer, says", WRONG_ANSWERS, ids=[a.__name__ for _, a, _ in WRONG_ANSWERS])
+def test_wrong_answer_fails(check, answer, says, capsys):
+    with pytest.raises(AssertionError, match=says):
+        check(answer)
+    if answer is not CourseAnswer:  # refused before running: no table
+        assert "FAIL" in capsys.readouterr().out
+
+
+# ---- the recorder ----------------------------------------------------------------------------
+def _record_each_name():
+    """Every name a learner may call a collective by is recorded once, with its payload bytes."""
+    import picotron.comm as comm
+    world = dist.get_world_size()
+    originals = (dist.all_reduce, dist.all_gather_into_tensor, comm._all_gather_single)
+    x, full = torch.ones(3), torch.zeros(3 * world)
+    with recorded_collectives() as calls:
+        dist.all_reduce(x.clone(), op=AVG)
+        dist.all_gather_into_tensor(full, x)
+        dist.reduce_scatter_tensor(x.clone(), full)
+        comm.all_gather(full, x)
+        comm.reduce_scatter(x.clone(), full, op=AVG)
+        dist.all_gather([torch.zeros(3) for _ in range(world)], x)
+    restored = originals == (dist.all_reduce, dist.all_gather_into_tensor, comm._all_gather_single)
+    return [(c.op, c.nbytes, c.reduce) for c in calls], restored
+
+
+def test_recorder_counts_each_call_once():
+    calls, restored = run(_record_each_name, 2, timeout=60)[0]
+    assert calls == [("all_reduce", 12, "avg"), ("all_gather", 12, ""), ("reduce_scatter", 24, "sum"),
+                     ("all_gather", 12, ""), ("reduce_scatter", 24, "avg"), ("all_gather", 12, "")]
+    assert restored
