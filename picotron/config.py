@@ -95,12 +95,17 @@ class ParallelConfig:
 
     Rank order (see picotron/mesh.py): tp innermost (fastest links), then cp, then dp,
     pp outermost.
+
+    zero_stage: how much of the training state the dp ranks split between them instead of
+    each keeping a copy (picotron/parallel/zero.py): 0 none (plain data parallelism),
+    1 the optimizer state, 2 and the gradients, 3 and the parameters.
     """
 
     dp: int = 1
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    zero_stage: int = 0
 
     @property
     def world_size(self) -> int:
@@ -172,6 +177,16 @@ def _build(kind: type, values: dict) -> Any:
     return kind(**values)
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero_stage(stage, name: str = "zero_stage") -> None:
+    """Raise ValueError for a ZeRO stage that does not exist (`name`: the argument, for the message)."""
+    if stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise ValueError(f"{name}={stage!r}; choose 0 (plain data parallelism), 1 (shard the optimizer "
+                         f"state), 2 (and the gradients) or 3 (and the parameters)")
+
+
 def validate(config: Config, world_size: int | None = None) -> None:
     """Raise ValueError naming the problem and the fix for any impossible combination."""
     m, p, t = config.model, config.parallel, config.train
@@ -179,6 +194,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     for name in ("dp", "pp", "cp", "tp"):
         if getattr(p, name) < 1:
             raise ValueError(f"{name}={getattr(p, name)} must be at least 1")
+    check_zero_stage(p.zero_stage)
     if m.num_attention_heads % m.num_key_value_heads:
         raise ValueError(f"num_key_value_heads={m.num_key_value_heads} does not divide "
                          f"num_attention_heads={m.num_attention_heads}")

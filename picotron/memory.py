@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from picotron.config import ModelConfig, ParallelConfig, TrainConfig
+from picotron.config import ModelConfig, ParallelConfig, TrainConfig, check_zero_stage
 from picotron.model import Llama, loss_fn
 from picotron.train import flops_per_token
 
@@ -168,13 +168,28 @@ def estimate_memory(model_config: ModelConfig, train_config: TrainConfig,
 
 def per_rank(whole: MemoryBreakdown, parallel: ParallelConfig) -> MemoryBreakdown:
     """What one rank holds. Plain data parallelism replicates everything: each rank keeps the whole
-    model and the activations of its own micro-batch. The chapters that shard add their rule here."""
+    model and the activations of its own micro-batch. The chapters that shard add their rule here.
+
+    ZeRO (chapter 03) splits state over the N = dp ranks instead: stage 1 the optimizer state,
+    stage 2 the gradients too, stage 3 the parameters too (Playbook, "ZeRO (Zero Redundancy
+    Optimizer)"); activations stay per rank. This is the Playbook's rule, each sharded term / N
+    (rounded up). picotron.parallel.zero.zero_state_bytes gives the exact bytes of picotron's
+    implementation, which pads each flat group to a multiple of N and keeps one AdamW step
+    counter per group (instead of one per parameter tensor): a few bytes per group apart.
+    """
     for axis, chapter in (("tp", "04, tensor parallelism"), ("cp", "05, context parallelism"),
                           ("pp", "06, pipeline parallelism")):
         if getattr(parallel, axis) > 1:
             raise NotImplementedError(f"{axis}={getattr(parallel, axis)}: the memory model of chapter {chapter} "
                                       f"is not written yet; estimate with {axis}=1")
-    return whole
+    check_zero_stage(parallel.zero_stage)
+    stage, n = parallel.zero_stage, parallel.dp
+
+    def shard(nbytes: int, from_stage: int) -> int:
+        return -(-nbytes // n) if stage >= from_stage else nbytes
+
+    return MemoryBreakdown(parameters=shard(whole.parameters, 3), gradients=shard(whole.gradients, 2),
+                           optimizer=shard(whole.optimizer, 1), activations=whole.activations)
 
 
 def recompute_flops_per_token(config: ModelConfig, seq_len: int) -> int:

@@ -2,6 +2,7 @@
 
     python -m picotron.train                           # 4 CPU ranks, data parallel, about a minute
     python -m picotron.train --dp 2 --steps 50         # overrides on top of the defaults
+    python -m picotron.train --zero 3                  # ZeRO-3: each rank keeps 1/4 of the training state
     python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
@@ -16,8 +17,10 @@ model FLOPs utilisation (MFU):
 The peak is the spec-sheet dense bf16 figure on a known GPU (H100 SXM: 989 TFLOP/s), and on
 a CPU a measured fp32 matmul peak of this rank, labelled as such.
 
-So far the trainer runs the data-parallel axis (bucketed all-reduces overlapped with
-backward, chapter 02); the other axes join as their chapters land.
+So far the trainer runs the data-parallel axis: bucketed all-reduces overlapped with
+backward (chapter 02), or with --zero 1|2|3 the dp ranks split the optimizer state,
+gradients and parameters between them (ZeRO, chapter 03). The other axes join as their
+chapters land.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithm
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import DataParallel
+from picotron.parallel.zero import Zero3, ZeroOptimizer
 
 # Dense bf16 tensor-core peaks from the vendors' spec sheets (without sparsity), FLOP/s.
 GPU_PEAK_FLOPS = {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
@@ -109,32 +113,50 @@ class Trainer:
         self.device = launch.device()
         torch.manual_seed(config.train.seed)
         self.model = Llama(config.model).to(self.device)
-        # Bucketed gradient all-reduces, overlapped with backward (chapter 02); it also
-        # broadcasts rank 0's weights so that the replicas start identical.
-        self.dp = (DataParallel(self.model, mesh.dp_group, bucket_mb=config.train.bucket_mb, counter=mesh.counter)
-                   if mesh else None)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
-                                           betas=config.train.betas, weight_decay=config.train.weight_decay)
+        t = config.train
+
+        def make_optimizer(params):
+            return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+
+        # Both ways broadcast rank 0's weights, so that the replicas start identical.
+        self.dp = self.zero = None
+        if mesh and p.zero_stage == 3:      # chapter 03: parameters gathered unit by unit, prefetched
+            self.zero = Zero3(self.model, mesh.dp_group, optimizer=make_optimizer, counter=mesh.counter)
+        elif mesh and p.zero_stage:         # chapter 03: this rank's shard of the optimizer state (and gradients)
+            self.zero = ZeroOptimizer(self.model, mesh.dp_group, stage=p.zero_stage, optimizer=make_optimizer,
+                                      bucket_mb=t.bucket_mb, counter=mesh.counter)
+        elif mesh:                          # chapter 02: bucketed gradient all-reduces, overlapped with backward
+            self.dp = DataParallel(self.model, mesh.dp_group, bucket_mb=t.bucket_mb, counter=mesh.counter)
+        # The ZeRO object steps its shards with an AdamW of its own, and has the same methods.
+        self.optimizer = self.zero or make_optimizer(self.model.parameters())
         self.loader = make_loader(config.train, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp)
 
     def train_step(self, step: int) -> StepResult:
         """Forward and backward over the micro-batches, average gradients over dp, one AdamW step."""
         t, start = self.config.train, time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=self.dp is None)  # with dp, .grad are views into buckets: zero in place
+        if self.zero:
+            self.zero.zero_grad()          # ZeRO keeps its gradients in flat buffers: zeroed in place
+        else:
+            self.optimizer.zero_grad(set_to_none=self.dp is None)  # with dp, .grad are views into buckets
         local_loss, sample_ids = 0.0, []
         for micro_step in range(t.grad_accum_steps):
             batch = self.loader.get_batch(step, micro_step).to(self.device)
             last = micro_step == t.grad_accum_steps - 1
-            with self.dp.no_sync() if self.dp and not last else nullcontext():  # sync once, in the last backward
+            # DataParallel syncs once, in the last backward; ZeRO-1 communicates in step(), ZeRO-2/3 reduce-scatter
+            # every micro-batch into their gradient shard (they keep no whole gradient to accumulate into).
+            with self.dp.no_sync() if self.dp and not last else nullcontext():
                 loss = loss_fn(self.model(batch.input_ids, batch.position_ids), batch.targets) / t.grad_accum_steps
                 loss.backward()
             local_loss += loss.detach()
             sample_ids += batch.sample_ids.tolist()
-        if self.dp:
-            self.dp.finish_gradient_sync()
+        if self.dp or self.zero:
+            (self.dp or self.zero).finish_gradient_sync()
             dist.all_reduce(local_loss, group=self.mesh.dp_group)  # for the log only: not counted
             local_loss /= self.mesh.dp_size
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
+        if self.zero:  # each rank holds a shard of the gradient: the norm adds up over the ranks
+            grad_norm = self.zero.clip_grad_norm_(t.grad_clip or math.inf)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
         lr = lr_at(step, self.config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -169,8 +191,9 @@ def train(config: Config, *, progress: bool = True) -> dict:
     flops_token = flops_per_token(config.model, config.train.seq_len)
     history = {"loss": [], "tokens_per_s": [], "mfu": [], "peak_source": peak_source}
     if is_logger:
+        zero = f" ZeRO-{config.parallel.zero_stage}" if config.parallel.zero_stage and mesh else ""
         print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
-              f"dp={config.parallel.dp}, {tokens_per_step} tokens per step; MFU against {peak_source} "
+              f"dp={config.parallel.dp}{zero}, {tokens_per_step} tokens per step; MFU against {peak_source} "
               f"({peak / 1e9:.1f} GFLOP/s per rank)")
     bar = tqdm(range(config.train.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
@@ -206,6 +229,10 @@ def parse_args(argv: list[str] | None) -> Config:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
     parser.add_argument("--bucket-mb", dest="bucket_mb", type=float,
                         help="MiB of gradients per data-parallel all-reduce bucket (0: one per parameter)")
+    parser.add_argument("--zero", dest="zero_stage", type=int, choices=[0, 1, 2, 3],
+                        help="ZeRO stage (chapter 03): the dp ranks split 1 the optimizer state, 2 and the "
+                             "gradients, 3 and the parameters; 0 is plain data parallelism (with dp=1 there is "
+                             "nothing to split)")
     parser.add_argument("--recompute", choices=["none", "selective", "full"],
                         help="activation recomputation (chapter 01)")
     parser.add_argument("--attention", choices=["sdpa", "eager"], help="fused attention or the eager scores")
@@ -219,7 +246,7 @@ def parse_args(argv: list[str] | None) -> Config:
     for name in ("recompute", "attention"):
         if getattr(args, name) is not None:
             config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
-    for axis in ("dp", "pp", "cp", "tp"):
+    for axis in ("dp", "pp", "cp", "tp", "zero_stage"):
         if getattr(args, axis) is not None:
             setattr(config.parallel, axis, getattr(args, axis))
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(config.train)

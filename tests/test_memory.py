@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from picotron.memory import (MemoryTracker, activation_bytes, activation_bytes_per_layer, estimate_memory,
-                             measure_memory, saved_tensors, training_flops_per_token)
+                             measure_memory, num_param_tensors, saved_tensors, training_flops_per_token)
 from picotron.model import DecoderLayer, Llama, loss_fn
 from picotron.train import flops_per_token
 
@@ -169,3 +169,48 @@ def test_bad_choices_are_refused_with_the_options():
     with pytest.raises(NotImplementedError, match="chapter 04"):
         estimate_memory(TINY, TrainConfig(), ParallelConfig(tp=2))
     assert estimate_memory(TINY, TrainConfig(), ParallelConfig(dp=4)) == estimate_memory(TINY, TrainConfig())
+
+
+# ---- ZeRO: which terms each stage divides by the dp ranks ----------------------------------------
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_zero_stages_shard_the_playbooks_terms(precision):
+    config, train, n = ModelConfig.preset("llama3-8b"), TrainConfig(micro_batch_size=1, seq_len=4096), 8
+    whole = estimate_memory(config, train, precision=precision)
+    stages = [estimate_memory(config, train, ParallelConfig(dp=n, zero_stage=s), precision=precision)
+              for s in range(4)]
+    shard = lambda nbytes: -(-nbytes // n)
+    assert stages[0] == whole
+    assert (stages[1].parameters, stages[1].gradients, stages[1].optimizer) == \
+           (whole.parameters, whole.gradients, shard(whole.optimizer))
+    assert (stages[2].parameters, stages[2].gradients, stages[2].optimizer) == \
+           (whole.parameters, shard(whole.gradients), shard(whole.optimizer))
+    assert (stages[3].parameters, stages[3].gradients, stages[3].optimizer) == \
+           (shard(whole.parameters), shard(whole.gradients), shard(whole.optimizer))
+    assert all(s.activations == whole.activations for s in stages)     # each rank's own micro-batch
+    # The Playbook's numbers for an 8B model on 8 ranks in bf16-mixed: 16 -> 4 + 2 + 1.5 -> 2 bytes per parameter.
+    if precision == "bf16-mixed":
+        psi = config.num_params()
+        per_param = [(s.parameters + s.gradients + s.optimizer) / psi for s in stages]
+        assert per_param == pytest.approx([16, 2 + 2 + 12 / 8, 2 + 2 / 8 + 12 / 8, 16 / 8], rel=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_estimate_is_picotrons_exact_bytes_up_to_padding_and_counters(stage):
+    from picotron.parallel.zero import llama_units, zero_state_bytes
+    units = llama_units(Llama(TINY))
+    numels = ([TINY.num_params()] if stage < 3 else
+              [sum(p.numel() for p in dict.fromkeys(p for m in unit for p in m.parameters())) for unit in units])
+    exact = zero_state_bytes(numels, 4, stage, "bf16-mixed")
+    estimate = estimate_memory(TINY, TrainConfig(), ParallelConfig(dp=4, zero_stage=stage), precision="bf16-mixed")
+    # Padding: under 4 elements of <= 16 bytes per group. Counters: 4 bytes per tensor here, per group there.
+    margin = 16 * 4 * len(numels) + 4 * num_param_tensors(TINY)
+    assert abs(estimate.parameters - exact.parameters) <= margin
+    assert abs(estimate.gradients - exact.gradients) <= margin
+    assert abs(estimate.optimizer - exact.optimizer) <= margin
+
+
+def test_bad_zero_stage_is_refused():
+    with pytest.raises(ValueError, match=r"zero_stage=5; choose 0 \(plain data parallelism\)"):
+        estimate_memory(TINY, TrainConfig(), ParallelConfig(dp=4, zero_stage=5))
+    with pytest.raises(ValueError, match="zero_stage=-1"):
+        validate(Config(parallel=ParallelConfig(zero_stage=-1)))

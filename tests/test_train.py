@@ -66,6 +66,32 @@ def test_data_parallel_equals_one_process(dp, accum, steps, bucket_mb, recompute
     assert reference["loss"][-1] < reference["loss"][0] - 0.5  # and it learned something
 
 
+def record_losses(config: Config, steps: int) -> dict:
+    """Train `steps` steps; return the losses and the whole weights at the end (ZeRO-3 gathers them)."""
+    mesh = Mesh(dp=config.parallel.dp) if dist.is_initialized() else None
+    trainer = Trainer(config, mesh)
+    losses = [trainer.train_step(step).loss for step in range(steps)]
+    weights = (trainer.zero.gather_parameters() if trainer.zero else
+               {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    return {"loss": losses, "weights": weights, "kind": type(trainer.zero or trainer.dp).__name__}
+
+
+@pytest.mark.parametrize("zero_stage, dp, accum", [(3, 4, 1), (2, 2, 2)])
+def test_zero_equals_one_process(zero_stage, dp, accum):
+    steps = 6
+    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=3)
+    parallel = Config(model=SMALL, parallel=ParallelConfig(dp=dp, zero_stage=zero_stage), train=train)
+    single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
+    ranks = run(record_losses, dp, args=(parallel, steps), timeout=120)
+    reference = record_losses(single, steps)
+    assert ranks[0]["kind"] == ("Zero3" if zero_stage == 3 else "ZeroOptimizer")
+    for rank in ranks:
+        for step in range(steps):
+            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+        for name, weight in reference["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+
+
 def test_lr_schedule_and_flops():
     config = Config(train=TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, steps=110))
     assert lr_at(0, config) == pytest.approx(0.1)
@@ -88,6 +114,7 @@ def test_command_line_overrides_and_config_file(tmp_path):
     assert parse_args([]).parallel.dp == 4  # the default main job: 4 data-parallel ranks
     config = parse_args(["--recompute", "full", "--attention", "eager", "--bucket-mb", "0"])
     assert (config.model.recompute, config.model.attention, config.train.bucket_mb) == ("full", "eager", 0.0)
+    assert parse_args(["--zero", "3"]).parallel.zero_stage == 3 and parse_args([]).parallel.zero_stage == 0
 
 
 def test_bad_configs_are_clear_errors(tmp_path):
@@ -99,6 +126,10 @@ def test_bad_configs_are_clear_errors(tmp_path):
         Trainer(parse_args(["--dp", "1", "--bucket-mb", "-1"]))
     with pytest.raises(ValueError, match="unknown model preset 'gpt5'"):
         Config.from_dict({"model": {"preset": "gpt5"}})
+    with pytest.raises(ValueError, match=r"zero_stage=4; choose 0 \(plain data parallelism\), 1"):
+        Trainer(Config.from_dict({"parallel": {"zero_stage": 4}}))
+    with pytest.raises(SystemExit):   # argparse: "argument --zero: invalid choice: 5"
+        parse_args(["--zero", "5"])
 
 
 def test_main_job_runs_two_ranks_from_the_command_line():

@@ -1,0 +1,662 @@
+"""ZeRO: data parallelism without the redundant copies (stages 1, 2 and 3).
+
+In plain data parallelism each of the N dp ranks keeps the whole training state, and all of
+them run the same optimizer step on the same averaged gradient: N identical copies. The Zero
+Redundancy Optimizer (Rajbhandari et al. 2020, arXiv:1910.02054; Playbook, "ZeRO (Zero
+Redundancy Optimizer)") cuts the state into N shards and lets rank r keep and update only
+shard r. The arithmetic is unchanged, so every stage trains exactly like one process.
+
+    stage  split over the N ranks     bytes per rank, Psi parameters
+                                      bf16-mixed                   fp32
+    0      nothing (plain DP)         2Psi + 2Psi   + 12Psi        4Psi + 4Psi   + 8Psi
+    1      optimizer state            2Psi + 2Psi   + 12Psi/N      4Psi + 4Psi   + 8Psi/N
+    2      + gradients                2Psi + 2Psi/N + 12Psi/N      4Psi + 4Psi/N + 8Psi/N
+    3      + parameters (FSDP)        (2Psi + 2Psi + 12Psi)/N      (4Psi + 4Psi + 8Psi)/N
+
+(parameters + gradients + optimizer state; bf16-mixed computes in bf16 and keeps fp32 master
+weights and Adam's m and v: the 12. In fp32 the master weights are the parameters themselves.)
+
+What each stage sends per optimizer step, with ring algorithms, per rank:
+
+    0  all-reduce the gradients                          2 (N-1)/N Psi          elements
+    1  reduce-scatter the gradients after backward,      (N-1)/N Psi + (N-1)/N Psi
+       all-gather the updated parameters after the step
+    2  the same, reduce-scattering bucket by bucket during backward
+    3  all-gather a unit's parameters before its         (N-1)/N Psi + 2 (N-1)/N Psi
+       forward and again before its backward,
+       reduce-scatter its gradients after
+
+which for large N is the Playbook's 2Psi, 2Psi, 2Psi, 3Psi: stages 1 and 2 cost what plain DP
+costs (an all-reduce *is* a reduce-scatter followed by an all-gather), stage 3 pays one more
+all-gather for dividing the parameters by N too. With gradient accumulation over k
+micro-batches stage 1 still communicates once per step, while stages 2 and 3 reduce-scatter
+after every micro-batch (they keep no whole gradient to accumulate into) and stage 3 gathers
+2k times.
+
+How to use it (gradient accumulation needs nothing more than calling backward k times):
+
+    zero = ZeroOptimizer(model, mesh.dp_group, stage=1,              # or stage=0 or 2
+                         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
+                         bucket_mb=25, counter=mesh.counter)
+    zero = Zero3(model, mesh.dp_group, prefetch=True, optimizer=..., counter=mesh.counter)
+    for step in range(steps):
+        zero.zero_grad()
+        for x, y in micro_batches:
+            loss_fn(model(x), y).backward()      # stage 2: buckets reduce-scatter as they fill
+        zero.clip_grad_norm_(1.0)                # optional: the whole gradient's norm, from the shards
+        zero.step()                              # step this rank's shard, then all-gather (stages 1, 2)
+
+Both build on `FlatGroup`: some parameters turned into views of one flat buffer, padded with
+zeros to a multiple of N so that it splits into N equal shards; rank r owns slice r of every
+group. Groups are buckets of `bucket_mb` MiB for stages 0-2 and units (a decoder layer; the
+embedding; the final norm and head) for stage 3. With n_g parameters in group g:
+
+    S     = sum_g ceil(n_g / N)   elements in this rank's shards (stage 0: no split, S = Psi)
+    Psi'  = N * S                 the padded parameter count, Psi <= Psi' < Psi + N * groups
+
+and the bytes per rank, exactly (`zero_state_bytes` computes them, `state_bytes()` counts the
+real tensors; p, g, o = 4, 4, 8 in fp32 and 2, 2, 12 in bf16-mixed):
+
+    parameters   p Psi'            stage 3: p S
+    gradients    g Psi'            stages 2, 3: g S
+    optimizer    o S + 4 groups    AdamW's fp32 step counter, one per flat shard it steps
+
+The comm counter's payload per step is `zero_comm_bytes`, and `ring_bytes` turns it into the
+bytes a ring algorithm puts on the wire. ZeRO-3's gathered units are transient, on top of
+this state: `Zero3.peak_gathered_bytes` records the most held at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from picotron import comm
+from picotron.comm import CommCounter
+from picotron.config import check_zero_stage
+from picotron.parallel.data_parallel import assign_buckets, broadcast_parameters
+
+__all__ = ["StateBytes", "zero_state_bytes", "zero_comm_bytes", "ring_bytes", "FlatGroup", "ZeroOptimizer",
+           "Zero3", "llama_units"]
+
+# Bytes per parameter of (parameters, gradients, optimizer state): fp32 master weights, m and v in bf16-mixed.
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
+STEP_COUNTER_BYTES = 4   # AdamW keeps `step` as one fp32 scalar per tensor it updates
+
+MakeOptimizer = Callable[[list], torch.optim.Optimizer]
+
+
+# ---- The formulas -------------------------------------------------------------------------------
+
+@dataclass
+class StateBytes:
+    """Bytes of one rank's training state (activations aside)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer state": self.optimizer,
+                "total": self.total}
+
+
+def _shard_numel(numels: int | Sequence[int], world: int, stage: int) -> tuple[list[int], int]:
+    """(group sizes, S): S = sum over groups of ceil(n_g / N), with no split at stage 0."""
+    check_zero_stage(stage, "stage")
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world={world!r} must be a positive number of dp ranks")
+    numels = [numels] if isinstance(numels, int) else list(numels)
+    shards = 1 if stage == 0 else world
+    return numels, sum(-(-n // shards) for n in numels)
+
+
+def zero_state_bytes(numels: int | Sequence[int], world: int, stage: int, precision: str = "fp32") -> StateBytes:
+    """Bytes per rank of parameters, gradients and optimizer state, to the byte, for picotron's ZeRO.
+
+    numels: parameters per flat group (`zero.numels`), or the model's total for one group.
+    The padding to a multiple of N per group and AdamW's step counters (4 bytes per group) are
+    included, so this equals `ZeroOptimizer.state_bytes()` exactly; see the module docstring.
+    """
+    if precision not in BYTES_PER_PARAM:
+        raise ValueError(f"precision={precision!r}; choose one of {sorted(BYTES_PER_PARAM)}")
+    p, g, o = BYTES_PER_PARAM[precision]
+    numels, shard = _shard_numel(numels, world, stage)
+    whole = shard * (1 if stage == 0 else world)                        # Psi', padded
+    return StateBytes(parameters=p * (shard if stage == 3 else whole),
+                      gradients=g * (shard if stage >= 2 else whole),
+                      optimizer=o * shard + STEP_COUNTER_BYTES * len(numels))
+
+
+def zero_comm_bytes(numels: int | Sequence[int], world: int, stage: int, precision: str = "fp32",
+                    micro_batches: int = 1) -> dict[str, int]:
+    """Payload bytes per optimizer step that this rank's CommCounter records, by operation.
+
+    picotron.comm counts what a rank hands to a collective: the whole input of an all-reduce or
+    reduce-scatter, the input *shard* of an all-gather. Gradient clipping adds a 4-byte
+    all-reduce of the squared norm (stages 1-3), not included here.
+    """
+    if precision not in BYTES_PER_PARAM:
+        raise ValueError(f"precision={precision!r}; choose one of {sorted(BYTES_PER_PARAM)}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+    p, g, _ = BYTES_PER_PARAM[precision]
+    numels, shard = _shard_numel(numels, world, stage)
+    k = micro_batches
+    if stage == 0:
+        return {"all_reduce": g * shard}                                # the whole (unpadded) gradient
+    reductions = 1 if stage == 1 else k                                 # stages 2, 3: every micro-batch
+    gathers = 1 if stage < 3 else 2 * k                                 # stage 3: before forward and backward
+    return {"reduce_scatter": reductions * g * world * shard, "all_gather": gathers * p * shard}
+
+
+def ring_bytes(payload: dict[str, int], world: int) -> float:
+    """Bytes a rank sends on the wire for these payloads when each collective runs as a ring.
+
+    all-reduce: 2 (N-1)/N of its tensor; reduce-scatter: (N-1)/N of its input (N-1 steps, one
+    1/N chunk each); all-gather: its input shard N-1 times (Playbook, "A quick focus on
+    collective operations"). For ZeRO in fp32 this gives (N-1)/N x 4 bytes x 2Psi', 2Psi', 3Psi'.
+    """
+    factor = {"all_reduce": 2 * (world - 1) / world, "reduce_scatter": (world - 1) / world,
+              "all_gather": world - 1}
+    unknown = set(payload) - set(factor)
+    if unknown:
+        raise ValueError(f"no ring cost for {sorted(unknown)}; known: {sorted(factor)}")
+    return sum(factor[op] * nbytes for op, nbytes in payload.items())
+
+
+# ---- The flat buffer every stage is built on ----------------------------------------------------
+
+class FlatGroup:
+    """Some parameters as views of one flat buffer, padded with zeros to split into N equal shards.
+
+        full    (N*S,)  the parameters one after another, then zeros, in the model's dtype
+        shard   (S,)    slice `index` of full, the part this rank updates: a view of full at
+                        stages 0-2, its own tensor at stage 3 (where full is freed between uses)
+        master  (S,)    what the optimizer steps: the shard itself in fp32, else an fp32 copy
+        grad            the gradient this rank keeps: all of it at stages 0-1 (each param.grad is
+                        a view of it, so autograd accumulates in place), only an (S,) shard at 2-3
+
+    Stage 0 builds it with num_shards=1: the "shard" is everything.
+    """
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], num_shards: int, index: int, stage: int):
+        dtypes = {(p.dtype, p.device) for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters {names} mix dtypes/devices {sorted(map(str, dtypes))}; "
+                             f"one flat buffer holds one dtype: convert the model first (model.to(dtype))")
+        self.params, self.names = params, names
+        self.numel = sum(p.numel() for p in params)
+        self.shard_numel = -(-self.numel // num_shards)                         # S = ceil(numel / N)
+        self.full = torch.zeros(num_shards * self.shard_numel, dtype=params[0].dtype, device=params[0].device)
+        self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+        self.views = [self.full[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
+        with torch.no_grad():
+            for p, view in zip(params, self.views):
+                view.copy_(p)
+                p.data = view                          # the model now computes in the buffer's memory
+        shard = self.full[index * self.shard_numel:(index + 1) * self.shard_numel]
+        self.shard = shard.clone() if stage == 3 else shard
+        # Mixed precision: the optimizer updates fp32 numbers; bf16 would lose small updates (a bf16
+        # weight of 1.0 cannot move by less than 2^-8). Micikevicius et al. 2018, arXiv:1710.03740.
+        self.master = self.shard if self.shard.dtype == torch.float32 else self.shard.float()
+        if stage < 2:
+            self.grad = torch.zeros_like(self.full)
+            self.grad_views = [self.grad[o:o + v.numel()].view_as(v) for o, v in zip(self.offsets, self.views)]
+            for p, view in zip(params, self.grad_views):
+                p.grad = view
+        else:
+            self.grad = self.shard.new_zeros(self.shard_numel)
+        self.ready: set[nn.Parameter] = set()   # params whose gradient arrived in this backward (stages 2-3)
+        self.reductions = 0                     # reduce-scatters since the last step (stages 2-3)
+        # Stage 3 only: does `full` hold the parameters now; the all-gather filling it, while one runs;
+        # is the unit between its backward's start and end; what parameters point at while it is freed.
+        self.gathered, self.work, self.in_backward = True, None, False
+        self.empty = self.full.new_empty(0)
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Cut a (N*S,) tensor laid out like `full` into one tensor per parameter, by name."""
+        return {name: flat[o:o + v.numel()].view_as(v).clone()
+                for name, o, v in zip(self.names, self.offsets, self.views)}
+
+
+def _group_position(group) -> tuple[dist.ProcessGroup, int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError("ZeRO needs a process group: build it inside the function you pass to "
+                           "picotron.launch.run (or under torchrun)")
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of the process group passed in; "
+                         f"pass this rank's own data-parallel group (mesh.dp_group)")
+    return group, dist.get_world_size(group), rank
+
+
+def _storage_bytes(tensors, skip: set | None = None) -> dict:
+    """{storage: bytes} of the distinct, non-empty storages behind `tensors` (views count once)."""
+    found = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes():
+            key = (t.device, t.untyped_storage().data_ptr())
+            if not skip or key not in skip:
+                found[key] = t.untyped_storage().nbytes()
+    return found
+
+
+# ---- ZeRO-1 and ZeRO-2 (and stage 0, plain DP in the same layout) -------------------------------
+
+class ZeroOptimizer:
+    """Data parallelism with this rank's share of the optimizer state (stage 1) and gradients (stage 2).
+
+    model: its parameters become views of flat buffers (one per bucket); every rank keeps all of
+        them, and the initial broadcast makes them equal to the first rank's.
+    group: the data-parallel process group (None: the whole world).
+    stage: 0 plain data parallelism (all-reduce, every rank steps everything, for comparison);
+        1 reduce-scatter the gradients after backward, each rank steps its shard, all-gather;
+        2 as 1, but each bucket is reduce-scattered as soon as backward has filled it and only the
+        shard is kept, so whole gradients never outlive their bucket.
+    optimizer: builds the inner optimizer from a list of tensors (the fp32 master shards);
+        AdamW with torch's defaults when None. It sees one flat tensor per bucket, which is
+        exact for element-wise optimizers (SGD, Adam, AdamW); one that reads a tensor's shape
+        or whole norm (Adafactor, LAMB, Muon) would need the parameters' boundaries.
+    bucket_mb: MiB of parameters per flat group (0: one per parameter). Stage 2 overlaps each
+        bucket's reduce-scatter with the rest of backward.
+    counter: a CommCounter to record every collective in.
+
+    Gradient accumulation: call backward once per micro-batch. Stages 0-1 add into their whole
+    gradient buffer and communicate once in step(); stage 2 reduce-scatters every micro-batch and
+    adds into its shard.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, *, stage: int = 1,
+                 optimizer: MakeOptimizer | None = None, bucket_mb: float = 25.0,
+                 counter: CommCounter | None = None):
+        check_zero_stage(stage, "stage")
+        if stage == 3:
+            raise ValueError("stage=3 also shards the parameters, which needs hooks around every unit's "
+                             "forward and backward: use Zero3(model, group, ...)")
+        if bucket_mb < 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be >= 0 (0: one bucket per parameter)")
+        params = self._setup(model, group, stage, counter)
+        bucket_numel = int(bucket_mb * 2**20) // params[0].element_size()
+        # Reverse order, as DataParallel: roughly the order backward finishes the gradients.
+        self._build(assign_buckets(params[::-1], bucket_numel), optimizer)
+        if stage == 2:
+            for param in params:
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ---- set-up shared with Zero3 ------------------------------------------------------------
+    def _setup(self, model: nn.Module, group, stage: int, counter) -> list[nn.Parameter]:
+        self.group, self.world, self.rank = _group_position(group)
+        self.model, self.stage, self.counter = model, stage, counter
+        params = list(model.parameters())             # a tied weight appears once
+        if not params:
+            raise ValueError(f"{type(model).__name__} has no parameters: nothing to shard")
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"parameters {frozen[:4]} do not require grad; this ZeRO shards trainable "
+                             f"parameters only: make them trainable or keep them outside the model")
+        self.name_of = {p: name for name, p in model.named_parameters()}
+        broadcast_parameters(model, self.group, counter=counter)   # replicas must start identical
+        self._pending = None            # (work, group, shard, flat input) of the reduce-scatter in flight
+        self._grads_ready = False       # finish_gradient_sync ran since the last step
+        return params
+
+    def _build(self, param_lists: list[list[nn.Parameter]], optimizer: MakeOptimizer | None) -> None:
+        shards, index = (1, 0) if self.stage == 0 else (self.world, self.rank)
+        self.groups = [FlatGroup(ps, [self.name_of[p] for p in ps], shards, index, self.stage) for ps in param_lists]
+        self.group_of = {p: g for g in self.groups for p in g.params}
+        make = optimizer if optimizer is not None else torch.optim.AdamW
+        self.optimizer = make([g.master for g in self.groups])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's param_groups (set "lr" here for a schedule)."""
+        return self.optimizer.param_groups
+
+    @property
+    def numels(self) -> list[int]:
+        """Parameters per flat group, unpadded: the argument of zero_state_bytes / zero_comm_bytes."""
+        return [g.numel for g in self.groups]
+
+    # ---- gradients -----------------------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        # Fires once per backward, after autograd has added this parameter's whole gradient into .grad.
+        group = self.group_of[param]
+        group.ready.add(param)
+        if len(group.ready) == len(group.params):
+            self._reduce_scatter(group)
+
+    def _reduce_scatter(self, group: FlatGroup) -> None:
+        """Send the group's fresh gradients off to be averaged; keep only this rank's slice (stages 2, 3).
+
+        The whole gradients are copied into one padded flat tensor and released at once: from
+        here on this rank holds just its shard of them.
+        """
+        pad = group.full.new_zeros(self.world * group.shard_numel - group.numel)
+        flat = torch.cat([p.grad.reshape(-1) for p in group.params] + [pad])   # (N*S,)
+        for p in group.params:
+            p.grad = None
+        flat.div_(self.world)           # divide before summing, as DDP does: a bf16 sum cannot overflow
+        self._wait_pending()            # one reduce-scatter in flight at a time
+        shard = flat.new_empty(group.shard_numel)
+        work = comm.reduce_scatter(shard, flat, self.group, counter=self.counter, async_op=True)
+        self._pending = (work, group, shard, flat)   # flat must live until the collective is done
+        group.ready.clear()
+        group.reductions += 1
+
+    def _wait_pending(self) -> None:
+        if self._pending is not None:
+            work, group, shard, _ = self._pending
+            work.wait()
+            group.grad.add_(shard)      # accumulate: one addition per micro-batch
+            self._pending = None
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        """Average the gradients over the group and hand this rank's shard to the optimizer.
+
+        Stage 1 reduce-scatters the whole gradient here. An all-reduce followed by taking one's
+        slice would give the same numbers, but an all-reduce is a reduce-scatter plus an
+        all-gather: the second half would deliver gradients no rank's optimizer reads, twice the
+        traffic for nothing. step() calls this when it has not run since the last step.
+        """
+        if self.stage in (0, 1):
+            self._reattach_grad_views()
+            for g in self.groups:
+                g.grad.div_(self.world)
+            if self.stage == 0:
+                comm.wait_all([comm.all_reduce(g.grad, self.group, counter=self.counter, async_op=True)
+                               for g in self.groups])
+                averaged = [g.grad for g in self.groups]
+            else:
+                averaged = [g.grad.new_empty(g.shard_numel) for g in self.groups]
+                comm.wait_all([comm.reduce_scatter(shard, g.grad, self.group, counter=self.counter, async_op=True)
+                               for shard, g in zip(averaged, self.groups)])
+        else:
+            self._wait_pending()
+            for i, g in enumerate(self.groups):
+                if g.ready or not g.reductions:
+                    raise RuntimeError(self._not_ready_message(i, g))
+                g.reductions = 0
+            averaged = [g.grad for g in self.groups]
+        for g, grad in zip(self.groups, averaged):
+            g.master.grad = grad.to(g.master.dtype)      # the same tensor in fp32, an fp32 copy in bf16
+        self._grads_ready = True
+
+    def _reattach_grad_views(self) -> None:
+        # model.zero_grad() (set_to_none) makes autograd hand over fresh tensors: copy them back in.
+        for g in self.groups:
+            for p, view in zip(g.params, g.grad_views):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def _not_ready_message(self, i: int, group: FlatGroup) -> str:
+        kind = "unit" if self.stage == 3 else "bucket"
+        if not group.ready:
+            return (f"{kind} {i} of {len(self.groups)} got no gradient since the last step: run a backward "
+                    f"before finish_gradient_sync() / step()")
+        missing = [self.name_of[p] for p in group.params if p not in group.ready]
+        return (f"{kind} {i} of {len(self.groups)} has {len(group.ready)} of {len(group.params)} gradients "
+                f"(missing: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); every parameter "
+                f"must take part in the loss")
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient so that its global 2-norm is at most max_norm; return the norm before.
+
+        Each rank holds 1/N of the gradient (stages 1-3): the squared norms of the shards add up
+        over the group, one 4-byte all-reduce. Same rule as torch.nn.utils.clip_grad_norm_.
+        """
+        if not self._grads_ready:
+            self.finish_gradient_sync()
+        squares = sum(g.master.grad.pow(2).sum() for g in self.groups)
+        if self.stage > 0:
+            comm.all_reduce(squares, self.group, counter=self.counter)
+        norm = squares.sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in self.groups:
+            g.master.grad.mul_(scale)
+        return norm
+
+    # ---- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update this rank's shard with the inner optimizer, then make the new parameters whole again."""
+        if not self._grads_ready:
+            self.finish_gradient_sync()
+        self.optimizer.step()
+        works = []
+        for g in self.groups:
+            g.master.grad = None
+            if g.master is not g.shard:
+                g.shard.copy_(g.master)                  # round the fp32 master into the model's dtype
+            works.append(self._publish(g))
+        comm.wait_all(works)
+        self._grads_ready = False
+
+    def _publish(self, group: FlatGroup):
+        """Stages 1-2: every rank needs every updated parameter for its next forward."""
+        if self.stage in (1, 2):
+            # In place: the shard is slice `rank` of full, exactly where the all-gather puts it.
+            return comm.all_gather(group.full, group.shard, self.group, counter=self.counter, async_op=True)
+        return None
+
+    def zero_grad(self) -> None:
+        """Zero the gradient this rank keeps (in place: param.grad stay views at stages 0-1)."""
+        self._wait_pending()            # a reduce-scatter still in flight would add into it afterwards
+        for g in self.groups:
+            g.grad.zero_()
+        if self.stage < 2:
+            self._reattach_grad_views()
+        self._grads_ready = False
+
+    # ---- looking inside: the chapter's measurements and the tests' checks ----------------------
+    def state_bytes(self) -> StateBytes:
+        """Bytes of parameters, gradients and optimizer state this rank holds now, from the real tensors.
+
+        Each storage counts once: in fp32 the master shard is a slice of the parameters' buffer
+        (stages 0-2) or the parameter shard itself (stage 3), so it is not counted again.
+        """
+        params = _storage_bytes([*(p for g in self.groups for p in g.params), *(g.shard for g in self.groups)])
+        grads = _storage_bytes([*(p.grad for g in self.groups for p in g.params), *(g.grad for g in self.groups)])
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        optimizer = _storage_bytes([*(g.master for g in self.groups), *state], skip=set(params))
+        return StateBytes(sum(params.values()), sum(grads.values()), sum(optimizer.values()))
+
+    def _whole(self, group: FlatGroup, shard: torch.Tensor) -> torch.Tensor:
+        """All ranks' shards side by side, (N*S,): one all-gather (stage 0 has no shards)."""
+        if self.stage == 0:
+            return shard
+        whole = shard.new_empty(self.world * group.shard_numel)
+        comm.all_gather(whole, shard, self.group, counter=self.counter)
+        return whole
+
+    @torch.no_grad()
+    def gather_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, as a new tensor by name (at stage 3 it all-gathers: call it on every rank)."""
+        out = {}
+        for g in self.groups:
+            out.update(g.unflatten(g.full if self.stage in (0, 1, 2) else self._whole(g, g.shard)))
+        return out
+
+    @torch.no_grad()
+    def gather_gradients(self) -> dict[str, torch.Tensor]:
+        """The averaged gradient of every parameter by name, as the optimizer will see it (in its dtype).
+
+        Call it between finish_gradient_sync() and step(), on every rank.
+        """
+        if not self._grads_ready:
+            raise RuntimeError("no averaged gradient yet: call finish_gradient_sync() after backward first")
+        out = {}
+        for g in self.groups:
+            out.update(g.unflatten(self._whole(g, g.master.grad)))
+        return out
+
+
+# ---- ZeRO-3: the parameters too ------------------------------------------------------------------
+
+def llama_units(model: nn.Module) -> list[list[nn.Module]]:
+    """picotron's Llama cut into ZeRO-3 units, in the order forward first uses them.
+
+    Each decoder layer is a unit; so are the embedding and the final norm with the head. A tied
+    head *is* the embedding, read at both ends of the model, so then all three make one unit
+    that stays gathered from the embedding's forward to the head's (the same choice FSDP2 makes
+    for the root module's parameters).
+    """
+    for attr in ("embed", "layers", "norm", "lm_head"):
+        if not hasattr(model, attr):
+            raise ValueError(f"{type(model).__name__} is not picotron's Llama (no .{attr}); pass units=[[module, "
+                             f"...], ...] listing the modules whose parameters are gathered together")
+    layers = [[layer] for layer in model.layers]
+    if model.lm_head.weight is model.embed.weight:
+        return [[model.embed, model.norm, model.lm_head], *layers]
+    return [[model.embed], *layers, [model.norm, model.lm_head]]
+
+
+def _unit_params(model: nn.Module, units: list[list[nn.Module]]) -> list[list[nn.Parameter]]:
+    """The parameters of each unit; every parameter of the model in exactly one."""
+    names = {p: name for name, p in model.named_parameters()}
+    owner: dict[nn.Parameter, int] = {}
+    lists = []
+    for i, modules in enumerate(units):
+        if not modules:
+            raise ValueError(f"unit {i} has no modules")
+        params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
+        for p in params:
+            if p not in names:
+                raise ValueError(f"unit {i} holds a parameter that is not the model's: pass modules of this model")
+            if p in owner:
+                raise ValueError(f"{names[p]} is in units {owner[p]} and {i}; a parameter must belong to one unit "
+                                 f"(put modules that share weights in the same unit)")
+            owner[p] = i
+        if not params:
+            raise ValueError(f"unit {i} ({[type(m).__name__ for m in modules]}) has no parameters")
+        lists.append(params)
+    missing = [name for p, name in names.items() if p not in owner]
+    if missing:
+        raise ValueError(f"parameters {missing[:4]} are in no unit; add their modules to a unit")
+    return lists
+
+
+class Zero3(ZeroOptimizer):
+    """ZeRO-3: each rank keeps 1/N of every parameter too, and gathers a unit only while it computes.
+
+    model: cut into units (llama_units for picotron's Llama, or `units`: lists of modules, in
+        the order forward first uses them). Each unit's parameters are a FlatGroup; its full
+        buffer exists only around the unit's forward and its backward:
+
+            before forward    all-gather the unit (forward pre-hook on its first module)
+            after forward     free it (forward hook on its last module), and hook the output's gradient
+            before backward   all-gather it again (that hook fires just before the unit's backward)
+            after backward    reduce-scatter its gradients into this rank's shard and free it
+                              (post-accumulate-grad hooks: the last of its parameters is done)
+
+        Freeing resizes the buffer's storage to 0 bytes, as FSDP does, so the tensors autograd
+        saved (views of the weights, like weight.t()) give their memory back too, and point at it
+        again once it is re-gathered. A parameter outside its unit's use points at an empty tensor.
+    prefetch: start the all-gather of the next unit (asynchronously) when the current one
+        starts computing, in forward and in backward, so communication hides behind compute;
+        False gathers each unit only when it is needed (the chapter times both).
+    optimizer, counter: as for ZeroOptimizer. Full recomputation works too: a unit recomputed
+    inside backward is already gathered.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, *,
+                 units: list[list[nn.Module]] | None = None, prefetch: bool = True,
+                 optimizer: MakeOptimizer | None = None, counter: CommCounter | None = None):
+        self._setup(model, group, 3, counter)
+        self.units = units if units is not None else llama_units(model)
+        self._build(_unit_params(model, self.units), optimizer)
+        self.prefetch = prefetch
+        self._forward_ends: list[int] = []      # units in the order their forward ended: backward reverses it
+        self.gathered_bytes = sum(g.full.untyped_storage().nbytes() for g in self.groups)   # built whole
+        for g in self.groups:
+            self._free(g)                       # from now on this rank keeps 1/N of the model
+        self.peak_gathered_bytes = 0            # most bytes of gathered units held at once, since here
+        for i, (modules, g) in enumerate(zip(self.units, self.groups)):
+            modules[0].register_forward_pre_hook(lambda module, args, i=i: self._before_forward(i))
+            modules[-1].register_forward_hook(lambda module, args, output, i=i: self._after_forward(i, output))
+            for p in g.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ---- gather and free -------------------------------------------------------------------------
+    def _start_gather(self, g: FlatGroup) -> None:
+        """Give the unit's buffer its memory back and start filling it from every rank's shard."""
+        if g.gathered or g.work is not None:
+            return
+        nbytes = g.full.numel() * g.full.element_size()
+        g.full.untyped_storage().resize_(nbytes)
+        self.gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        g.work = comm.all_gather(g.full, g.shard, self.group, counter=self.counter, async_op=True)
+
+    def _gather(self, g: FlatGroup) -> None:
+        """Make the unit's parameters whole: wait for a prefetch, or gather now."""
+        self._start_gather(g)
+        if g.work is not None:
+            g.work.wait()
+            g.work = None
+            for p, view in zip(g.params, g.views):
+                p.data = view
+            g.gathered = True
+
+    def _free(self, g: FlatGroup) -> None:
+        for p in g.params:
+            p.data = g.empty            # never a dangling pointer: reading it outside gives an empty tensor
+        self.gathered_bytes -= g.full.untyped_storage().nbytes()
+        g.full.untyped_storage().resize_(0)
+        g.gathered = False
+
+    def _prefetch_after(self, order: list[int], i: int) -> None:
+        if self.prefetch and i in order and order.index(i) + 1 < len(order):
+            self._start_gather(self.groups[order[order.index(i) + 1]])
+
+    # ---- the hooks -------------------------------------------------------------------------------
+    def _before_forward(self, i: int) -> None:
+        g = self.groups[i]
+        if g.in_backward:               # recomputed inside backward: already gathered for it
+            return
+        if i == 0:
+            self._forward_ends = []
+        self._gather(g)
+        self._prefetch_after(list(range(len(self.groups))), i)
+
+    def _after_forward(self, i: int, output) -> None:
+        g = self.groups[i]
+        if g.in_backward:
+            return
+        self._forward_ends.append(i)
+        self._free(g)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        g = self.groups[i]
+        if g.in_backward:               # a second output tensor of the same unit
+            return
+        g.in_backward = True
+        self._gather(g)
+        self._prefetch_after(self._forward_ends[::-1], i)
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        super()._on_grad_ready(param)
+        g = self.group_of[param]
+        if not g.ready:                 # the unit's whole gradient has been sent: its parameters can go
+            self._free(g)
+            g.in_backward = False
+
+    def _publish(self, group: FlatGroup):
+        return None                     # the next forward gathers what it needs
