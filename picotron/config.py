@@ -106,6 +106,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     zero_stage: int = 0
+    sequence_parallel: bool = False       # with tp > 1: norms and residuals split along the sequence (SP)
 
     @property
     def world_size(self) -> int:
@@ -204,6 +205,15 @@ def validate(config: Config, world_size: int | None = None) -> None:
         raise ValueError(f"tp={p.tp} does not divide num_key_value_heads={m.num_key_value_heads}")
     if m.intermediate_size % p.tp:
         raise ValueError(f"tp={p.tp} does not divide intermediate_size={m.intermediate_size}")
+    if m.vocab_size % p.tp:
+        raise ValueError(f"tp={p.tp} does not divide vocab_size={m.vocab_size}: each tp rank holds an equal "
+                         f"slice of the vocabulary; choose a tp that divides it")
+    if p.sequence_parallel and p.tp == 1:
+        raise ValueError("sequence_parallel=True needs tp > 1: it splits the tensor-parallel ranks' norms "
+                         "along the sequence; set tp or drop sequence_parallel")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ValueError(f"sequence parallelism splits the sequence over tp={p.tp} ranks, but seq_len={t.seq_len} "
+                         f"does not divide by it; choose a seq_len that is a multiple of {p.tp}")
     if p.pp > m.num_layers:
         raise ValueError(f"pp={p.pp} is larger than num_layers={m.num_layers}: a stage needs at least one layer")
     if t.seq_len > m.max_seq_len:

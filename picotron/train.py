@@ -3,6 +3,7 @@
     python -m picotron.train                           # 4 CPU ranks, data parallel, about a minute
     python -m picotron.train --dp 2 --steps 50         # overrides on top of the defaults
     python -m picotron.train --zero 3                  # ZeRO-3: each rank keeps 1/4 of the training state
+    python -m picotron.train --dp 2 --tp 2 --sp        # tensor + sequence parallelism inside each dp replica
     python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
@@ -17,16 +18,18 @@ model FLOPs utilisation (MFU):
 The peak is the spec-sheet dense bf16 figure on a known GPU (H100 SXM: 989 TFLOP/s), and on
 a CPU a measured fp32 matmul peak of this rank, labelled as such.
 
-So far the trainer runs the data-parallel axis: bucketed all-reduces overlapped with
+So far the trainer runs two axes. Data parallelism: bucketed all-reduces overlapped with
 backward (chapter 02), or with --zero 1|2|3 the dp ranks split the optimizer state,
-gradients and parameters between them (ZeRO, chapter 03). The other axes join as their
-chapters land.
+gradients and parameters between them (ZeRO, chapter 03). Tensor parallelism: --tp 2 splits
+every weight matrix and the vocabulary over 2 ranks, --sp adds sequence parallelism
+(chapter 04); dp x tp ranks in all. The other axes join as their chapters land.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -43,6 +46,7 @@ from picotron.config import Config, ModelConfig, ParallelConfig, validate
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
+from picotron.parallel import tensor_parallel as tp
 from picotron.parallel.data_parallel import DataParallel
 from picotron.parallel.zero import Zero3, ZeroOptimizer
 
@@ -103,16 +107,22 @@ class Trainer:
     """One model replica and its optimizer; `mesh=None` trains in a single process."""
 
     def __init__(self, config: Config, mesh: Mesh | None = None):
-        world = mesh.world_size if mesh else 1
-        validate(config, world)
         p = config.parallel
-        if p.tp > 1 or p.pp > 1 or p.cp > 1:
-            raise NotImplementedError(f"the trainer runs data parallelism only so far (got tp={p.tp}, pp={p.pp}, "
-                                      f"cp={p.cp}); use dp, or the chapters' notebooks for the other axes")
+        if p.pp > 1 or p.cp > 1:
+            raise NotImplementedError(f"the trainer runs data and tensor parallelism so far (got pp={p.pp}, "
+                                      f"cp={p.cp}); use dp and tp, or the chapters' notebooks for the other axes")
+        if p.tp > 1 and p.zero_stage:
+            raise NotImplementedError(f"zero_stage={p.zero_stage} with tp={p.tp} is not supported yet: ZeRO's flat "
+                                      f"buffers do not know which weights are tensor-parallel shards; use one of them")
+        validate(config, mesh.world_size if mesh else 1)
         self.config, self.mesh = config, mesh
         self.device = launch.device()
         torch.manual_seed(config.train.seed)
         self.model = Llama(config.model).to(self.device)
+        self.loss_fn = loss_fn
+        if mesh and p.tp > 1:  # chapter 04: each tp rank keeps its slice of every matrix and of the vocabulary
+            tp.apply_tensor_parallel(self.model, mesh, sequence_parallel=p.sequence_parallel, counter=mesh.counter)
+            self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=mesh.tp_group, counter=mesh.counter)
         t = config.train
 
         def make_optimizer(params):
@@ -145,7 +155,8 @@ class Trainer:
             # DataParallel syncs once, in the last backward; ZeRO-1 communicates in step(), ZeRO-2/3 reduce-scatter
             # every micro-batch into their gradient shard (they keep no whole gradient to accumulate into).
             with self.dp.no_sync() if self.dp and not last else nullcontext():
-                loss = loss_fn(self.model(batch.input_ids, batch.position_ids), batch.targets) / t.grad_accum_steps
+                logits = self.model(batch.input_ids, batch.position_ids)   # (batch, seq, vocab / tp)
+                loss = self.loss_fn(logits, batch.targets) / t.grad_accum_steps
                 loss.backward()
             local_loss += loss.detach()
             sample_ids += batch.sample_ids.tolist()
@@ -155,6 +166,8 @@ class Trainer:
             local_loss /= self.mesh.dp_size
         if self.zero:  # each rank holds a shard of the gradient: the norm adds up over the ranks
             grad_norm = self.zero.clip_grad_norm_(t.grad_clip or math.inf)
+        elif self.mesh and self.mesh.tp_size > 1:  # likewise over the tp shards; replicated norms count once
+            grad_norm = tp.clip_grad_norm_(self.model, t.grad_clip or math.inf, self.mesh.tp_group)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
         lr = lr_at(step, self.config)
@@ -171,8 +184,22 @@ class Trainer:
         if self.config.train.dataset != "arithmetic":
             return {}
         problems = arithmetic_eval_problems(num_problems, seed=self.config.train.seed + 1)
-        return {"exact": arithmetic_accuracy(self.model, problems, device=self.device),
-                "digits": arithmetic_digit_accuracy(self.model, problems, device=self.device)}
+        return {"exact": arithmetic_accuracy(self.full_logits, problems, device=self.device),
+                "digits": arithmetic_digit_accuracy(self.full_logits, problems, device=self.device)}
+
+    def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(batch, seq) -> (batch, seq, vocab) logits on every rank, for evaluation.
+
+        Under tp the model returns this rank's slice of the vocabulary: all-gather the slices. Under
+        sequence parallelism the length must split over tp: pad on the right, which a causal model's
+        earlier positions never see, and cut the padding off again.
+        """
+        if not (self.mesh and self.mesh.tp_size > 1):
+            return self.model(input_ids)
+        seq, tp_size = input_ids.shape[1], self.mesh.tp_size
+        padded = torch.nn.functional.pad(input_ids, (0, -seq % tp_size))       # (batch, seq rounded up to tp)
+        local = self.model(padded)[:, :seq]                                     # (batch, seq, vocab / tp)
+        return tp.gather_along(local.contiguous(), -1, self.mesh.tp_group)     # (batch, seq, vocab)
 
 
 def train(config: Config, *, progress: bool = True) -> dict:
@@ -191,9 +218,11 @@ def train(config: Config, *, progress: bool = True) -> dict:
     flops_token = flops_per_token(config.model, config.train.seq_len)
     history = {"loss": [], "tokens_per_s": [], "mfu": [], "peak_source": peak_source}
     if is_logger:
-        zero = f" ZeRO-{config.parallel.zero_stage}" if config.parallel.zero_stage and mesh else ""
+        p = config.parallel
+        zero = f" ZeRO-{p.zero_stage}" if p.zero_stage and mesh else ""
+        tp_text = f" tp={p.tp}{' +SP' if p.sequence_parallel else ''}" if p.tp > 1 else ""
         print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
-              f"dp={config.parallel.dp}{zero}, {tokens_per_step} tokens per step; MFU against {peak_source} "
+              f"dp={p.dp}{zero}{tp_text}, {tokens_per_step} tokens per step; MFU against {peak_source} "
               f"({peak / 1e9:.1f} GFLOP/s per rank)")
     bar = tqdm(range(config.train.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
@@ -229,6 +258,8 @@ def parse_args(argv: list[str] | None) -> Config:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
     parser.add_argument("--bucket-mb", dest="bucket_mb", type=float,
                         help="MiB of gradients per data-parallel all-reduce bucket (0: one per parameter)")
+    parser.add_argument("--sp", dest="sequence_parallel", action="store_true", default=None,
+                        help="sequence parallelism with --tp (chapter 04): norms split along the sequence")
     parser.add_argument("--zero", dest="zero_stage", type=int, choices=[0, 1, 2, 3],
                         help="ZeRO stage (chapter 03): the dp ranks split 1 the optimizer state, 2 and the "
                              "gradients, 3 and the parameters; 0 is plain data parallelism (with dp=1 there is "
@@ -246,7 +277,7 @@ def parse_args(argv: list[str] | None) -> Config:
     for name in ("recompute", "attention"):
         if getattr(args, name) is not None:
             config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
-    for axis in ("dp", "pp", "cp", "tp", "zero_stage"):
+    for axis in ("dp", "pp", "cp", "tp", "zero_stage", "sequence_parallel"):
         if getattr(args, axis) is not None:
             setattr(config.parallel, axis, getattr(args, axis))
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(config.train)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from picotron.launch import run
 from picotron.mesh import Mesh
+from picotron.parallel.tensor_parallel import gather_parameters
 from picotron.train import Trainer, flops_per_token, lr_at, parse_args
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
@@ -67,13 +68,20 @@ def test_data_parallel_equals_one_process(dp, accum, steps, bucket_mb, recompute
 
 
 def record_losses(config: Config, steps: int) -> dict:
-    """Train `steps` steps; return the losses and the whole weights at the end (ZeRO-3 gathers them)."""
-    mesh = Mesh(dp=config.parallel.dp) if dist.is_initialized() else None
+    """Train `steps` steps; return the losses, gradient norms, the whole weights at the end (ZeRO-3 and
+    tensor parallelism gather them) and the held-out digit accuracy."""
+    p = config.parallel
+    mesh = Mesh(dp=p.dp, tp=p.tp) if dist.is_initialized() else None
     trainer = Trainer(config, mesh)
-    losses = [trainer.train_step(step).loss for step in range(steps)]
-    weights = (trainer.zero.gather_parameters() if trainer.zero else
-               {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
-    return {"loss": losses, "weights": weights, "kind": type(trainer.zero or trainer.dp).__name__}
+    results = [trainer.train_step(step) for step in range(steps)]
+    if trainer.zero:
+        weights = trainer.zero.gather_parameters()
+    elif mesh and mesh.tp_size > 1:
+        weights = gather_parameters(trainer.model, mesh.tp_group)
+    else:
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {"loss": [r.loss for r in results], "grad_norm": [r.grad_norm for r in results], "weights": weights,
+            "kind": type(trainer.zero or trainer.dp).__name__, "digits": trainer.accuracy(16)["digits"]}
 
 
 @pytest.mark.parametrize("zero_stage, dp, accum", [(3, 4, 1), (2, 2, 2)])
@@ -90,6 +98,27 @@ def test_zero_equals_one_process(zero_stage, dp, accum):
             assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
         for name, weight in reference["weights"].items():
             torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dp, tp, sequence_parallel", [(2, 2, False), (2, 2, True)])
+def test_tensor_parallel_equals_one_process(dp, tp, sequence_parallel):
+    """dp x tp ranks: the loss, the clipped gradient's norm and the weights equal one process's; so does
+    the accuracy evaluation, which all-gathers the vocabulary slices (and pads the sequence under SP)."""
+    steps = 6
+    train = TrainConfig(micro_batch_size=2, seq_len=32, steps=steps, warmup_steps=3, grad_clip=0.5)
+    parallel = Config(model=SMALL, parallel=ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel),
+                      train=train)
+    single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
+    ranks = run(record_losses, dp * tp, args=(parallel, steps), timeout=120)
+    reference = record_losses(single, steps)
+    assert min(reference["grad_norm"]) > 0.5     # clipping was active at every step: the norm matters
+    for rank in ranks:
+        for step in range(steps):
+            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
+        for name, weight in reference["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+        assert rank["digits"] == reference["digits"]
 
 
 def test_lr_schedule_and_flops():
@@ -130,6 +159,15 @@ def test_bad_configs_are_clear_errors(tmp_path):
         Trainer(Config.from_dict({"parallel": {"zero_stage": 4}}))
     with pytest.raises(SystemExit):   # argparse: "argument --zero: invalid choice: 5"
         parse_args(["--zero", "5"])
+    with pytest.raises(ValueError, match="tp=3 does not divide vocab_size=256"):
+        validate(Config(model=ModelConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                                          intermediate_size=384), parallel=ParallelConfig(tp=3)))
+    with pytest.raises(ValueError, match="sequence_parallel=True needs tp > 1"):
+        validate(parse_args(["--dp", "1", "--sp"]))
+    with pytest.raises(ValueError, match="seq_len=31 does not divide by it"):
+        validate(parse_args(["--dp", "1", "--tp", "2", "--sp", "--seq-len", "31"]))
+    with pytest.raises(NotImplementedError, match="zero_stage=1 with tp=2 is not supported yet"):
+        Trainer(parse_args(["--dp", "1", "--tp", "2", "--zero", "1"]))
 
 
 def test_main_job_runs_two_ranks_from_the_command_line():

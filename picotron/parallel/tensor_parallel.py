@@ -81,7 +81,7 @@ __all__ = ["copy_to_tp_region", "reduce_from_tp_region", "gather_from_sp_region"
            "gather_along", "split_along", "enter_tp_region", "exit_tp_region",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "check_tensor_parallel", "parallelize_layer", "apply_tensor_parallel",
-           "split_sequence", "gather_parameters", "gather_gradients",
+           "split_sequence", "gather_parameters", "gather_gradients", "clip_grad_norm_",
            "tp_comm_per_layer", "tp_comm_per_step", "tp_comm_bytes_per_layer", "tp_activation_bytes_per_layer"]
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
@@ -515,6 +515,25 @@ def gather_parameters(model: nn.Module, group) -> dict[str, torch.Tensor]:
 def gather_gradients(model: nn.Module, group) -> dict[str, torch.Tensor]:
     """The full gradients by name, from every rank's shards (None where a parameter has none). Not counted."""
     return _gather_full(model, group, lambda p: p.grad)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, group, counter: CommCounter | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the norm of the *full* gradient.
+
+    ||g||^2 is a sum over elements, so a sharded weight's part is the sum of its shards' parts over
+    the tp ranks (one all-reduce of a scalar); a replicated weight (the RMSNorms) holds the same
+    gradient on every rank and is counted once, locally. Every rank then scales by the same factor.
+    """
+    grads = [(p.grad, hasattr(p, "tp_shard_dim")) for p in model.parameters() if p.grad is not None]
+    zero = torch.zeros((), dtype=torch.float32, device=grads[0][0].device if grads else None)
+    sharded = sum((g.float().square().sum() for g, is_shard in grads if is_shard), zero.clone())
+    replicated = sum((g.float().square().sum() for g, is_shard in grads if not is_shard), zero.clone())
+    _all_reduce(sharded, group, counter)                                  # sum of the shards' parts
+    norm = (sharded + replicated).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)                     # torch's rule: never scale up
+    for g, _ in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
 
 
 # ---- cost formulas ----------------------------------------------------------------------------------
