@@ -107,8 +107,10 @@ def _say_backend_once(backend: str, world_size: int) -> None:
     if backend == "gloo" and world_size not in _told:
         _told.add(world_size)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        print(f"picotron.launch: {world_size} ranks as CPU processes with gloo "
-              f"({gpus} GPU{'s' if gpus != 1 else ''} here, fewer than {world_size})")
+        ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+        why = (f"{gpus} GPU{'s' if gpus != 1 else ''} here, fewer than {world_size}" if gpus < world_size
+               else "asked for")
+        print(f"picotron.launch: {ranks} as CPU processes with gloo ({why})")
 
 
 def _run_in_place(fn: Callable, world_size: int, args: tuple, kwargs: dict, seed: int, backend: str) -> list:
