@@ -45,6 +45,7 @@ from picotron.course import settings
 from picotron.launch import device, run
 
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "max_abs_error", "mismatch", "on_ranks",
+           "one_thread", "patched",
            "only_point_to_point", "check_chunk_to_send", "check_reduce_scatter_phase",
            "check_all_gather_phase", "check_ring_all_reduce"]
 
@@ -154,6 +155,32 @@ def close_enough(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     return actual.shape == expected.shape and torch.allclose(actual.double(), expected.double(), rtol=rtol, atol=atol)
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one thread, like each rank: a single-process reference computed with two
+    threads while four ranks (and anything else) share two cores ran 4x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
+    """Inside the block, each `(module, name, replacement)` stands in for `module.name`; the
+    originals come back on the way out, whatever happens inside."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, replacement in patches:
+            setattr(module, name, replacement)
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
 def on_ranks(fn: Callable, world_size: int, *args) -> list:
     """`run` with the course's check timeout: a ring that deadlocks fails in a minute, not three.
 
@@ -236,14 +263,8 @@ def only_point_to_point(what: str, answers: tuple[str, ...] = ()) -> Iterator[Se
                 for name in answers if hasattr(comm, name)]
     patches += [(module, "isend", counted_isend) for module in (dist, c10d)]
     patches += [(module, "send", counted_send) for module in (dist, c10d)]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    try:
-        for module, name, replacement in patches:
-            setattr(module, name, replacement)
+    with patched(patches):
         yield sent
-    finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
 
 
 # ==== 00 collectives: a ring all-reduce from send and recv ====================================

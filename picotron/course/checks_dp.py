@@ -28,7 +28,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from picotron.config import ModelConfig
-from picotron.course.checks import Report, close_enough, max_abs_error, mismatch, on_ranks, rank_tensor
+from picotron.course.checks import (Report, close_enough, max_abs_error, mismatch, on_ranks, one_thread,
+                                    rank_tensor)
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_grad_views", "check_grad_bucket", "check_hooks", "check_data_parallel", "recorded_all_reduces",
@@ -93,16 +94,6 @@ def _not_the_course_answer(what: str, *objects) -> None:
                                  "write your own")
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """The parent's reference runs on one thread, like each rank: two threads fighting four ranks
-    (and anything else) for two cores made it 4x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---- 1. grad_views ---------------------------------------------------------------------------
@@ -278,7 +269,7 @@ def check_hooks(DataParallel: type) -> None:
     with Report("hooks", note=f"{WORLD} ranks, one backward of a Llama with {len(list(_model().parameters()))} "
                               "parameter tensors (the embedding tied to the LM head)") as report:
         results = on_ranks(_hooks_on_rank, WORLD, DataParallel, HOOK_BUCKETS)
-        with _one_thread():
+        with one_thread():
             model = _model()
             batch = torch.cat([_tokens(0, 0, r) for r in range(WORLD)])  # the global batch
             loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
@@ -335,7 +326,7 @@ def check_data_parallel(DataParallel: type) -> None:
     with Report("DataParallel training", note=f"{WORLD} ranks, {TRAIN_STEPS} AdamW steps; micro-batches of "
                                               f"{BATCH_PER_RANK} sequences per rank") as report:
         results = on_ranks(_train_on_rank, WORLD, DataParallel, TRAIN_CASES)
-        with _one_thread():
+        with one_thread():
             references = {accum: _train_one_process(accum) for accum in sorted({a for _, a in TRAIN_CASES})}
         for i, (bucket_numel, accum) in enumerate(TRAIN_CASES):
             per_rank = [rank[i] for rank in results]

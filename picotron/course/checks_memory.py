@@ -33,7 +33,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from picotron.config import PRESETS, ModelConfig
-from picotron.course.checks import Report
+from picotron.course.checks import Report, one_thread
 from picotron.model import DecoderLayer, Llama, Rotary, eager_attention
 from picotron.model import recompute as course_recompute
 
@@ -109,15 +109,6 @@ def _layer_and_input(config: ModelConfig, batch: int, seq: int, dtype: torch.dty
     return layer, x, cos, sin
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """One thread: the tensors are small, and on a shared CPU a second thread mostly waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # The code the assignment rebuilds: a learner's answer must not call it.
@@ -174,7 +165,7 @@ def check_num_params(num_params: Callable[[ModelConfig], int]) -> None:
     answers = {MEMORY_FILE: "picotron.memory", ModelConfig.num_params.__code__: "ModelConfig.num_params",
                Llama.__init__.__code__: "Llama(config) (building the model counts it for you)"}
     with Report("num_params", note="expected: sum(p.numel() for p in model.parameters()) of "
-                                   "Llama(config) built on the meta device") as report, _one_thread():
+                                   "Llama(config) built on the meta device") as report, one_thread():
         for name, config in PARAM_SHAPES:
             with torch.device("meta"):  # shapes without memory: the 8B model builds in a moment
                 model = Llama(config)
@@ -265,7 +256,7 @@ def check_activation_bytes(activation_bytes_per_layer: Callable) -> None:
     saves for backward, measured with saved-tensor hooks, for sdpa and eager attention, fp32 and bf16."""
     with Report("activation_bytes_per_layer",
                 note="expected: distinct storages one DecoderLayer saves for backward (saved-tensor hooks), "
-                     "parameters and RoPE tables left out; recompute='none'") as report, _one_thread():
+                     "parameters and RoPE tables left out; recompute='none'") as report, one_thread():
         for shape, batch, seq, dtype in ACTIVATION_CASES:
             for attention in ATTENTIONS:
                 config = dataclasses.replace(ACTIVATION_SHAPES[shape], attention=attention)
@@ -412,7 +403,7 @@ def check_recompute(recompute: Callable) -> None:
     answers = {CHECKPOINT_FILE: "torch.utils.checkpoint", course_recompute.__code__: "picotron.model.recompute"}
     with Report("recompute", note="kept: bytes autograd saves for backward besides the inputs (saved-tensor hooks); "
                                   "fn runs: in forward / in backward; gradients compared with torch.equal") \
-            as report, _one_thread():
+            as report, one_thread():
         for name, case in RECOMPUTE_CASES:
             plain = _run_recompute_case(case, _plain)
             with _refusing("recompute", answers):

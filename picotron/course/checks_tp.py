@@ -36,7 +36,8 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch import nn
 
-from picotron.course.checks import COLLECTIVES, Report, close_enough, max_abs_error, mismatch, on_ranks, rank_tensor
+from picotron.course.checks import (COLLECTIVES, Report, close_enough, max_abs_error, mismatch, on_ranks, patched,
+                                    rank_tensor)
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "check_vocab_parallel_cross_entropy", "recorded_collectives", "Call", "WORLD", "TP_SIZES"]
@@ -115,14 +116,8 @@ def recorded_collectives() -> Iterator[list[Call]]:
     patches += [(comm, short, wrap(name, getattr(comm, short)))
                 for short, name in (("_all_gather_single", "all_gather_into_tensor"),
                                     ("_reduce_scatter_single", "reduce_scatter_tensor")) if hasattr(comm, short)]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    try:
-        for module, name, replacement in patches:
-            setattr(module, name, replacement)
+    with patched(patches):
         yield calls
-    finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
 
 
 def _tensors_in(values: list) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from picotron.config import ModelConfig
-from picotron.course.checks import Report, close_enough, max_abs_error, mismatch, on_ranks
+from picotron.course.checks import Report, close_enough, max_abs_error, mismatch, on_ranks, one_thread, patched
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_shard_range", "check_zero1", "check_zero3_forward", "check_zero3_training",
@@ -124,14 +124,8 @@ def recorded_collectives() -> Iterator[list[Call]]:
     patches += [(comm, short, wrap(name, getattr(comm, short)))
                 for short, name in (("_all_gather_single", "all_gather_into_tensor"),
                                     ("_reduce_scatter_single", "reduce_scatter_tensor")) if hasattr(comm, short)]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    try:
-        for module, name, replacement in patches:
-            setattr(module, name, replacement)
+    with patched(patches):
         yield calls
-    finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
 
 
 def _reduce_name(op) -> str:
@@ -182,15 +176,6 @@ def _not_the_course_answer(what: str, obj) -> None:
         raise AssertionError(f"{what}: {cls.__name__} comes from {PACKAGE}, the course's answer; write your own")
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """The parent's reference runs on one thread, like each rank (two cores, four ranks)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---- the single-process reference -------------------------------------------------------------
@@ -226,7 +211,7 @@ def _flat(tensors: list[torch.Tensor], padded: int | None = None) -> torch.Tenso
 def _reference(name: str, steps: int) -> dict:
     """One process, the whole global batch, plain AdamW: losses, every parameter's gradient at each
     step, the final parameters; and the same in ZeRO-3 units."""
-    with _one_thread():
+    with one_thread():
         model = _model(name)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         params = list(model.parameters())
@@ -510,7 +495,7 @@ def check_zero3_forward(Zero3Unit: type) -> None:
             "'held after' is the memory behind the units' full parameters once forward returned: 0 when freed")
     with Report("Zero3Unit forward", note=note) as report:
         results = on_ranks(_zero3_forward_on_rank, WORLD, Zero3Unit, list(ZERO_MODELS))
-        with _one_thread():
+        with one_thread():
             for i, name in enumerate(ZERO_MODELS):
                 per_rank = [rank[i] for rank in results]
                 model = _model(name)
