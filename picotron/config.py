@@ -39,6 +39,12 @@ class ModelConfig:
     init_std: float = 0.02
     attention: str = "sdpa"               # "sdpa" (fused, never stores seq x seq scores) or "eager"
     recompute: str = "none"               # activation recomputation: "none", "selective" or "full"
+    # Mixture of experts (picotron.model.MoE, chapter 07): 0 keeps the dense SwiGLU MLP in every layer.
+    num_experts: int = 0                  # > 0: MoE layers with this many SwiGLU experts of intermediate_size
+    experts_per_token: int = 2            # top-k: experts each token is sent to
+    moe_capacity_factor: float | None = None  # None: dropless; c: each expert takes <= ceil(c * tokens * k / E)
+    moe_aux_loss_coef: float = 0.01       # weight of the load-balancing loss (Switch Transformer's alpha)
+    moe_every: int = 1                    # layers i with (i + 1) % moe_every == 0 are MoE; 2: every other layer
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -51,14 +57,35 @@ class ModelConfig:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**PRESETS[name])
 
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (from 0) has a mixture of experts instead of the dense MLP."""
+        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
     def num_params(self) -> int:
-        """Parameter count from the shape alone (embedding counted once when tied)."""
+        """Parameter count from the shape alone (embedding counted once when tied).
+
+        An MoE layer holds num_experts SwiGLU MLPs and a router (hidden x num_experts) where a
+        dense layer holds one MLP.
+        """
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         attention = h * self.num_attention_heads * self.head_dim * 2 + h * kv * 2  # q, o, k, v
         mlp = 3 * h * self.intermediate_size                                       # gate, up, down
         layer = attention + mlp + 2 * h                                            # + two RMSNorms
+        moe_extra = (self.num_experts - 1) * mlp + h * self.num_experts            # more experts + router
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embeddings + h                            # + final norm
+        return self.num_layers * layer + self.num_moe_layers * moe_extra + embeddings + h   # + final norm
+
+    def num_active_params(self) -> int:
+        """Parameters one token computes with: only its experts_per_token experts in MoE layers.
+
+        What FLOPs per token scale with (6 x this, not 6 x num_params, for an MoE model).
+        """
+        idle_experts = max(self.num_experts - self.experts_per_token, 0)
+        return self.num_params() - self.num_moe_layers * idle_experts * 3 * self.hidden_size * self.intermediate_size
 
 
 ATTENTION_CHOICES = ("sdpa", "eager")
@@ -72,11 +99,34 @@ def check_model_choices(model: ModelConfig) -> None:
     if model.recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute={model.recompute!r}; choose one of {RECOMPUTE_CHOICES} "
                          f"(selective: recompute the attention core, full: recompute whole layers)")
+    check_moe(model)
+
+
+def check_moe(model: ModelConfig) -> None:
+    """Raise ValueError naming the fix for an impossible mixture-of-experts setting."""
+    if model.num_experts < 0:
+        raise ValueError(f"num_experts={model.num_experts}; use 0 for the dense MLP or a positive number of experts")
+    if model.num_experts == 0:
+        return
+    if not 1 <= model.experts_per_token <= model.num_experts:
+        raise ValueError(f"experts_per_token={model.experts_per_token} must be between 1 and num_experts="
+                         f"{model.num_experts}: each token goes to that many different experts")
+    if model.moe_capacity_factor is not None and not model.moe_capacity_factor > 0:
+        raise ValueError(f"moe_capacity_factor={model.moe_capacity_factor} must be > 0 (1.0: room for a perfectly "
+                         f"balanced load), or None for dropless routing")
+    if model.moe_aux_loss_coef < 0:
+        raise ValueError(f"moe_aux_loss_coef={model.moe_aux_loss_coef} must be >= 0 (0 turns the "
+                         f"load-balancing loss off)")
+    if not 1 <= model.moe_every <= model.num_layers:
+        raise ValueError(f"moe_every={model.moe_every} leaves no MoE layer among num_layers={model.num_layers}; "
+                         f"choose 1 (every layer) up to {model.num_layers}")
 
 
 # Shapes of public checkpoints (their config.json files on the Hugging Face hub).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(),
+    # tiny's FLOPs per token (top-2 of experts half tiny's MLP width) with 4x its MLP parameters: chapter 07.
+    "tiny-moe": dict(intermediate_size=256, num_experts=8, experts_per_token=2),
     "smollm-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                         num_attention_heads=9, num_key_value_heads=3, max_seq_len=2048),
     "smollm-360m": dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_layers=32,
@@ -99,6 +149,11 @@ class ParallelConfig:
     zero_stage: how much of the training state the dp ranks split between them instead of
     each keeping a copy (picotron/parallel/zero.py): 0 none (plain data parallelism),
     1 the optimizer state, 2 and the gradients, 3 and the parameters.
+
+    cp_mode: how the cp ranks, each holding a slice of every sequence, compute attention
+    (picotron/parallel/context_parallel.py): "ring" passes key/value blocks around a ring of
+    contiguous slices, "zigzag" does the same with each rank holding an early and a late chunk
+    (balanced causal work), "ulysses" swaps the split to the heads with all-to-alls.
     """
 
     dp: int = 1
@@ -107,6 +162,7 @@ class ParallelConfig:
     tp: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False       # with tp > 1: norms and residuals split along the sequence (SP)
+    cp_mode: str = "zigzag"               # with cp > 1: "ring", "zigzag" (ring, balanced layout) or "ulysses"
 
     @property
     def world_size(self) -> int:
@@ -179,6 +235,23 @@ def _build(kind: type, values: dict) -> Any:
 
 
 ZERO_STAGES = (0, 1, 2, 3)
+CP_MODES = ("ring", "zigzag", "ulysses")
+
+
+def check_context_parallel(model: ModelConfig, cp: int, mode: str, seq_len: int | None = None, tp: int = 1) -> None:
+    """Raise ValueError naming the fix if `mode` cannot split this model (and seq_len) over cp ranks."""
+    if mode not in CP_MODES:
+        raise ValueError(f"cp_mode={mode!r} is not a context-parallel mode; choose one of {CP_MODES}")
+    heads, kv_heads = model.num_attention_heads // tp, model.num_key_value_heads // tp
+    if mode == "ulysses" and (heads % cp or kv_heads % cp):
+        raise ValueError(f"Ulysses splits the heads over cp={cp} ranks, but cp={cp} does not divide the {heads} "
+                         f"query and {kv_heads} key/value heads{' per tp rank' if tp > 1 else ''}; choose a cp "
+                         f"dividing both, or cp_mode='ring' or 'zigzag'")
+    chunks = 2 * cp if mode == "zigzag" and cp > 1 else cp
+    if seq_len is not None and seq_len % chunks:
+        why = f"zig-zag cuts it into 2*cp = {chunks} chunks" if mode == "zigzag" else f"each of {cp} ranks holds 1/cp"
+        raise ValueError(f"seq_len={seq_len} does not split for cp_mode={mode!r} ({why}); "
+                         f"choose a seq_len that is a multiple of {chunks}")
 
 
 def check_zero_stage(stage, name: str = "zero_stage") -> None:
@@ -211,15 +284,15 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if p.sequence_parallel and p.tp == 1:
         raise ValueError("sequence_parallel=True needs tp > 1: it splits the tensor-parallel ranks' norms "
                          "along the sequence; set tp or drop sequence_parallel")
-    if p.sequence_parallel and t.seq_len % p.tp:
-        raise ValueError(f"sequence parallelism splits the sequence over tp={p.tp} ranks, but seq_len={t.seq_len} "
-                         f"does not divide by it; choose a seq_len that is a multiple of {p.tp}")
+    if p.sequence_parallel and (t.seq_len % p.cp or (t.seq_len // p.cp) % p.tp):
+        raise ValueError(f"sequence parallelism splits the sequence over tp={p.tp} ranks (after cp={p.cp}), but "
+                         f"seq_len={t.seq_len} does not divide by it; choose a seq_len that is a multiple of "
+                         f"{p.tp * p.cp}")
     if p.pp > m.num_layers:
         raise ValueError(f"pp={p.pp} is larger than num_layers={m.num_layers}: a stage needs at least one layer")
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"seq_len={t.seq_len} is longer than max_seq_len={m.max_seq_len}; raise max_seq_len")
-    if t.seq_len % p.cp:
-        raise ValueError(f"cp={p.cp} does not divide seq_len={t.seq_len}")
+    check_context_parallel(m, p.cp, p.cp_mode, t.seq_len, p.tp)
     if t.micro_batch_size < 1 or t.grad_accum_steps < 1 or t.steps < 0:
         raise ValueError("micro_batch_size and grad_accum_steps must be >= 1 and steps >= 0")
     if t.bucket_mb < 0:

@@ -17,8 +17,11 @@ How ranks share the data (what the parallel chapters rely on):
   micro_batch_size windows drawn from a generator seeded by (seed, step, micro_step);
   dp rank r takes the r-th contiguous slice. Concatenating the dp ranks' batches gives
   exactly the batch of one process with dp_size times the micro-batch size.
-- Context parallelism: `Batch.seq_slice(cp_rank, cp_size)` cuts the sequence into
-  contiguous pieces and keeps each piece's position ids, so RoPE still sees true positions.
+- Context parallelism: `Batch.seq_slice(cp_rank, cp_size, zigzag)` keeps a cp rank's
+  tokens of every sequence: the cp_rank-th of cp_size contiguous pieces, or under zig-zag
+  chunks cp_rank and 2*cp_size-1-cp_rank of 2*cp_size (picotron/parallel/context_parallel.py),
+  with their position ids, so RoPE still sees true positions. A loader built with cp_rank and
+  cp_size returns these slices; the cp ranks of one dp rank share its sample ids.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Callable
 import torch
 
 from picotron.config import TrainConfig
+from picotron.parallel.context_parallel import cp_positions
 
 ARITHMETIC_LINES = 100_000    # ~1.1 MB, ~17k windows of 64 bytes, generated in ~0.3 s
 
@@ -210,16 +214,18 @@ class Batch:
             batch, seq = self.input_ids.shape
             self.position_ids = torch.arange(seq, device=self.input_ids.device).repeat(batch, 1)
 
-    def seq_slice(self, cp_rank: int, cp_size: int) -> "Batch":
-        """The cp_rank-th of cp_size contiguous pieces of the sequence (context parallelism)."""
+    def seq_slice(self, cp_rank: int, cp_size: int, zigzag: bool = False) -> "Batch":
+        """A context-parallel rank's tokens of every sequence, with their position ids.
+
+        Contiguous: the cp_rank-th of cp_size pieces. zigzag=True: chunks cp_rank and
+        2*cp_size-1-cp_rank of 2*cp_size, so that causal attention costs every rank the same.
+        """
         seq = self.input_ids.shape[1]
         if seq % cp_size:
             raise ValueError(f"cp_size={cp_size} does not divide seq_len={seq}; pick a seq_len that it divides")
-        if not 0 <= cp_rank < cp_size:
-            raise ValueError(f"cp_rank={cp_rank} must be in [0, {cp_size})")
-        piece = slice(cp_rank * seq // cp_size, (cp_rank + 1) * seq // cp_size)
-        return Batch(self.input_ids[:, piece], self.targets[:, piece], self.sample_ids,
-                     self.position_ids[:, piece])                 # (batch, seq/cp) each
+        index = cp_positions(seq, cp_rank, cp_size, zigzag).to(self.input_ids.device)   # (seq/cp,)
+        return Batch(self.input_ids[:, index], self.targets[:, index], self.sample_ids,
+                     self.position_ids[:, index])                 # (batch, seq/cp) each
 
     def to(self, device: str | torch.device) -> "Batch":
         return Batch(self.input_ids.to(device), self.targets.to(device),
@@ -241,18 +247,25 @@ class DataLoader:
     at step k or skipping steps gives the same data. The cost is a permutation of all
     windows per micro-batch: ~0.2 ms for the built-in corpus. Across micro-batches windows
     can repeat, as in sampling with replacement.
+
+    With cp_size > 1 the cp ranks of one dp rank draw the same windows and each keeps its own
+    tokens of them (`Batch.seq_slice`, zig-zag order when zigzag=True).
     """
 
     def __init__(self, dataset: TokenDataset, micro_batch_size: int, *,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
+                 dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1, zigzag: bool = False,
+                 seed: int = 0):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
         if dp_size * micro_batch_size > len(dataset):
             raise ValueError(f"a global micro-batch of dp_size * micro_batch_size = {dp_size} * "
                              f"{micro_batch_size} windows, but the dataset has only {len(dataset)}; "
                              f"use more text, a smaller seq_len or a smaller batch")
         self.dataset, self.micro_batch_size, self.seed = dataset, micro_batch_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size, self.zigzag = cp_rank, cp_size, zigzag
 
     def global_sample_ids(self, step: int, micro_step: int = 0) -> torch.Tensor:
         """Window ids of the whole micro-batch over all dp ranks, (dp_size * micro_batch_size,)."""
@@ -264,7 +277,10 @@ class DataLoader:
         start = self.dp_rank * self.micro_batch_size
         sample_ids = self.global_sample_ids(step, micro_step)[start: start + self.micro_batch_size]
         inputs, targets = zip(*(self.dataset[i] for i in sample_ids.tolist()))
-        return Batch(torch.stack(inputs), torch.stack(targets), sample_ids)
+        batch = Batch(torch.stack(inputs), torch.stack(targets), sample_ids)
+        if self.cp_size > 1:   # context parallelism: this rank's tokens of every sequence
+            batch = batch.seq_slice(self.cp_rank, self.cp_size, self.zigzag)
+        return batch
 
 
 def build_dataset(train_config: TrainConfig) -> TokenDataset:
@@ -280,8 +296,9 @@ def build_dataset(train_config: TrainConfig) -> TokenDataset:
     return TokenDataset(tokens, train_config.seq_len)
 
 
-def make_loader(train_config: TrainConfig, *, dp_rank: int = 0, dp_size: int = 1) -> DataLoader:
-    """The loader of one data-parallel rank. The dataset does not depend on dp_size, so
-    runs with different dp see the same windows."""
-    return DataLoader(build_dataset(train_config), train_config.micro_batch_size,
-                      dp_rank=dp_rank, dp_size=dp_size, seed=train_config.seed)
+def make_loader(train_config: TrainConfig, *, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,
+                cp_size: int = 1, zigzag: bool = False) -> DataLoader:
+    """The loader of one data-parallel (and context-parallel) rank. The dataset does not depend
+    on dp_size or cp_size, so runs with different dp and cp see the same windows."""
+    return DataLoader(build_dataset(train_config), train_config.micro_batch_size, dp_rank=dp_rank,
+                      dp_size=dp_size, cp_rank=cp_rank, cp_size=cp_size, zigzag=zigzag, seed=train_config.seed)

@@ -156,6 +156,10 @@ def estimate_memory(model_config: ModelConfig, train_config: TrainConfig,
     Activations are those of one micro-batch: with gradient accumulation each micro-batch's
     backward frees them before the next forward, so grad_accum_steps does not appear.
     """
+    if model_config.num_experts > 0:
+        raise NotImplementedError(f"num_experts={model_config.num_experts}: the activation formula covers the dense "
+                                  f"MLP only (an MoE layer's activations depend on the routing); measure an MoE "
+                                  f"model with measure_memory instead")
     p = precision_of(precision)
     n = model_config.num_params()
     whole = MemoryBreakdown(
@@ -204,7 +208,7 @@ def recompute_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     if config.recompute == "selective":
         return core
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    layer_params = config.num_params() - embeddings - config.hidden_size    # not the embedding, head, final norm
+    layer_params = config.num_active_params() - embeddings - config.hidden_size  # per token; not embedding, head, final norm
     return 2 * layer_params + core
 
 

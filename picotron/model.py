@@ -19,6 +19,13 @@ Each layer, attention and MLP is its own module so later chapters can take a sli
 `layers` (pipeline parallelism), swap the q/k/v/o and gate/up/down Linears (tensor
 parallelism) or replace `Attention.attend` (context parallelism).
 
+With num_experts > 0 the MLP of every moe_every-th layer is a mixture of experts (`MoE`, chapter
+07): a router sends each token to experts_per_token of num_experts SwiGLU MLPs. The layer then
+holds num_experts * 3*h*f + h*num_experts parameters (experts, router), but a token computes with
+only experts_per_token experts. Its load-balancing loss is not part of the logits:
+    loss = loss_fn(model(input_ids), targets) + model.aux_loss()
+The dense model (num_experts=0, the default) is unchanged.
+
 Two switches in the ModelConfig trade memory for compute (chapter 01, picotron/memory.py):
     attention="sdpa"     fused attention (FlashAttention-style): the (seq x seq) scores are never stored
     attention="eager"    scores, softmax and @V as separate ops: backward keeps the (seq x seq) probabilities
@@ -29,6 +36,7 @@ Two switches in the ModelConfig trade memory for compute (chapter 01, picotron/m
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -229,15 +237,149 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual block: normalising the branch input, not the stream, keeps deep stacks stable."""
+# ---- Mixture of experts (chapter 07; picotron/parallel/expert_parallel.py splits it over ranks) ----
+
+@dataclass
+class Routing:
+    """Where a router sends each token, as a list of (token, expert) slots grouped by expert.
+
+    A token goes to top_k experts: top_k slots. Kept slots are listed expert by expert (all of
+    expert 0's, then expert 1's, ...), which is the order both the local experts and the
+    all-to-all of expert parallelism need; slots over an expert's capacity are left out.
+    """
+
+    token: torch.Tensor         # (kept slots,) long: the token of each slot
+    gate: torch.Tensor          # (kept slots,) fp32: its gate weight (differentiable, reaches the router)
+    counts: torch.Tensor        # (experts,) long: kept slots per expert; sums to the number of kept slots
+    load: torch.Tensor          # (experts,) long: slots routed to each expert, before capacity
+    mean_probs: torch.Tensor    # (experts,) fp32: router probability of each expert, mean over tokens
+    dropped: int                # slots over capacity: those (token, expert) pairs are skipped
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots one expert takes: capacity_factor x its share of a perfectly balanced load (GShard, Switch)."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def route(router: nn.Linear, tokens: torch.Tensor, top_k: int, capacity_factor: float | None = None) -> Routing:
+    """Top-k softmax gating: each token's top_k experts and their weights, slots grouped by expert.
+
+    Softmax over all experts, keep the k largest, renormalise them to sum to 1 (Mixtral's router,
+    the same as a softmax over the k chosen logits). With top_k=1 the weight is then always 1 and
+    the router learns only from the load-balancing loss. The softmax runs in fp32: bf16 keeps
+    ~3 digits, and a near-tie rounded there picks another expert.
+
+    With a capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021) an expert keeps its
+    first `expert_capacity` slots: first choices before second choices, then in token order
+    (GShard's priority). The others are dropped: the token skips that expert, and if all its
+    experts are full, only the residual connection carries it on.
+    """
+    num_tokens = tokens.shape[0]
+    probs = router(tokens).float().softmax(dim=-1)                   # (tokens, experts)
+    num_experts = probs.shape[-1]
+    top_probs, top_experts = probs.topk(top_k, dim=-1)               # (tokens, top_k)
+    gates = top_probs / top_probs.sum(dim=-1, keepdim=True)          # renormalised over the k chosen
+    # Slot s = choice * tokens + token: every token's first choice comes before any second choice.
+    expert = top_experts.t().reshape(-1)                             # (top_k * tokens,)
+    gate = gates.t().reshape(-1)                                     # (top_k * tokens,)
+    token = torch.arange(num_tokens, device=tokens.device).repeat(top_k)   # (top_k * tokens,)
+    load = torch.bincount(expert, minlength=num_experts)             # (experts,)
+    order = expert.argsort(stable=True)                              # slots grouped by expert, priority kept
+    counts, dropped = load, 0
+    if capacity_factor is not None:
+        capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+        first = load.cumsum(0) - load                                # (experts,): where each group starts in order
+        place = torch.arange(order.numel(), device=order.device) - first[expert[order]]   # place in its queue
+        order = order[place < capacity]                              # (kept slots,)
+        counts = load.clamp(max=capacity)
+        dropped = int((load - counts).sum())
+    return Routing(token=token[order], gate=gate[order], counts=counts, load=load,
+                   mean_probs=probs.mean(dim=0), dropped=dropped)
+
+
+def load_balancing_loss(load: torch.Tensor, mean_probs: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss, E * sum_i f_i P_i (Fedus et al. 2021, arXiv:2101.03961, eq. 4).
+
+    f_i = fraction of the routed slots that went to expert i (a count: no gradient), P_i = mean
+    router probability of expert i (differentiable). Both are 1/E when the load is balanced, and
+    the loss is then 1; it grows when the busiest experts are also the most probable ones, and
+    its gradient, E f_i for P_i, pushes probability away from them. (Hugging Face's Mixtral
+    counts f over each of the k choices, so its value at balance is k, not 1.)
+    """
+    fraction = load.float() / load.sum()                             # (experts,) f_i, sums to 1
+    return load.numel() * (fraction * mean_probs).sum()
+
+
+def run_experts(experts, slots: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert on its consecutive block of `slots` (counts[i] rows for the i-th expert, in order).
+
+    slots: (slots, hidden) grouped by expert -> (slots, hidden). One small matmul per expert, in a
+    loop: readable; fast implementations stack the experts' weights and run one grouped GEMM.
+    """
+    blocks = slots.split(counts)                                     # (counts[i], hidden) each
+    return torch.cat([expert(block) for expert, block in zip(experts, blocks)])
+
+
+def combine(outputs: torch.Tensor, routing: Routing, num_tokens: int) -> torch.Tensor:
+    """Sum each token's expert outputs, weighted by their gates: (kept slots, hidden) -> (tokens, hidden)."""
+    weighted = outputs * routing.gate[:, None].to(outputs.dtype)     # (kept slots, hidden)
+    combined = outputs.new_zeros(num_tokens, outputs.shape[-1])      # a token with every slot dropped stays 0
+    return combined.index_add(0, routing.token, weighted)            # (tokens, hidden)
+
+
+class MoE(nn.Module):
+    """A mixture of SwiGLU experts: each token is computed by its top_k of num_experts MLPs.
+
+    Sparsely gated MoE (Shazeer et al. 2017, arXiv:1701.06538): parameters grow with the number
+    of experts, compute per token with top_k only. A linear router scores the experts per token
+    (`route`), each expert runs on the tokens sent to it (`run_experts`), and the outputs come back
+    weighted by the gates (`combine`).
+
+    Each forward records, for the caller:
+        aux_loss     moe_aux_loss_coef * load_balancing_loss: add it to the training loss
+                     (Llama.aux_loss() sums the layers'); without it the router tends to send
+                     most tokens to a few experts, which then get all the training
+        last_load    (experts,) slots routed to each expert, before capacity: the load histogram
+                     (of this forward's tokens; of the whole data-parallel batch under EP)
+        last_dropped slots dropped by the capacity (0 when dropless)
+    """
 
     def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.experts_per_token
+        self.capacity_factor, self.aux_loss_coef = config.moe_capacity_factor, config.moe_aux_loss_coef
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config) for _ in range(config.num_experts))
+        self.aux_loss: torch.Tensor | None = None
+        self.last_load: torch.Tensor | None = None
+        self.last_dropped = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])                          # (tokens, hidden), tokens = batch * seq
+        routing = route(self.router, tokens, self.top_k, self.capacity_factor)
+        self.record(routing, routing.load)
+        slots = tokens[routing.token]                                # (kept slots, hidden), grouped by expert
+        outputs = run_experts(self.experts, slots, routing.counts.tolist())   # (kept slots, hidden)
+        return combine(outputs, routing, tokens.shape[0]).view(x.shape)
+
+    def record(self, routing: Routing, load: torch.Tensor) -> None:
+        """Keep the auxiliary loss and the load statistics of this forward (`load`: over the balancing batch)."""
+        self.aux_loss = self.aux_loss_coef * load_balancing_loss(load, routing.mean_probs)
+        self.last_load, self.last_dropped = load.detach(), routing.dropped
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: normalising the branch input, not the stream, keeps deep stacks stable.
+
+    `layer_index` decides, with config.moe_every, whether the MLP is dense or a mixture of experts.
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe_layer(layer_index) else MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -253,7 +395,7 @@ class Llama(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rope = Rotary(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_weights()   # also ties lm_head.weight to embed.weight when configured
@@ -307,6 +449,23 @@ class Llama(nn.Module):
     def num_params(self) -> int:
         """Unique parameters (a tied embedding counts once: .parameters() skips repeats)."""
         return sum(p.numel() for p in self.parameters())
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The mixture-of-experts blocks (any MLP with a router: MoE, or its expert-parallel version)."""
+        return [layer.mlp for layer in self.layers if hasattr(layer.mlp, "router")]
+
+    def aux_loss(self) -> torch.Tensor:
+        """The MoE layers' load-balancing losses from the last forward, summed; 0 for a dense model.
+
+        Training an MoE model: loss = loss_fn(model(ids), targets) + model.aux_loss(). Kept apart
+        from the logits so that forward's output, and the dense model, stay exactly as they were.
+        """
+        total = torch.zeros((), device=self.norm.weight.device)
+        for moe in self.moe_layers():
+            if moe.aux_loss is None:
+                raise RuntimeError("aux_loss() reads the MoE layers' losses of the last forward: run the model first")
+            total = total + moe.aux_loss
+        return total
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

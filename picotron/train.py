@@ -4,6 +4,8 @@
     python -m picotron.train --dp 2 --steps 50         # overrides on top of the defaults
     python -m picotron.train --zero 3                  # ZeRO-3: each rank keeps 1/4 of the training state
     python -m picotron.train --dp 2 --tp 2 --sp        # tensor + sequence parallelism inside each dp replica
+    python -m picotron.train --dp 2 --cp 2             # context parallelism: each rank holds half of every sequence
+    python -m picotron.train --dp 1 --cp 2 --tp 2 --sp # context and tensor parallelism together, 4 ranks
     python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
@@ -18,11 +20,14 @@ model FLOPs utilisation (MFU):
 The peak is the spec-sheet dense bf16 figure on a known GPU (H100 SXM: 989 TFLOP/s), and on
 a CPU a measured fp32 matmul peak of this rank, labelled as such.
 
-So far the trainer runs two axes. Data parallelism: bucketed all-reduces overlapped with
+So far the trainer runs three axes. Data parallelism: bucketed all-reduces overlapped with
 backward (chapter 02), or with --zero 1|2|3 the dp ranks split the optimizer state,
 gradients and parameters between them (ZeRO, chapter 03). Tensor parallelism: --tp 2 splits
 every weight matrix and the vocabulary over 2 ranks, --sp adds sequence parallelism
-(chapter 04); dp x tp ranks in all. The other axes join as their chapters land.
+(chapter 04). Context parallelism: --cp 2 gives each rank half of every sequence, and
+--cp-mode ring|zigzag|ulysses picks how attention sees the other half (chapter 05); the
+gradients then average over the dp x cp ranks. dp x cp x tp ranks in all. Pipeline
+parallelism joins when its chapter lands.
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from picotron import launch
-from picotron.config import Config, ModelConfig, ParallelConfig, validate
+from picotron.config import CP_MODES, Config, ModelConfig, ParallelConfig, validate
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
+from picotron.parallel import context_parallel as cp
 from picotron.parallel import tensor_parallel as tp
 from picotron.parallel.data_parallel import DataParallel
 from picotron.parallel.zero import Zero3, ZeroOptimizer
@@ -56,8 +62,12 @@ GPU_PEAK_FLOPS = {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200
 
 
 def flops_per_token(model: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the weights, 12 L h s for attention (no recomputation)."""
-    return 6 * model.num_params() + 12 * model.num_layers * model.hidden_size * seq_len
+    """Training FLOPs per token: 6N for the weights, 12 L h s for attention (no recomputation).
+
+    N counts the parameters a token computes with: for an MoE model only its experts_per_token
+    experts (ModelConfig.num_active_params), so MFU is not inflated by idle experts.
+    """
+    return 6 * model.num_active_params() + 12 * model.num_layers * model.hidden_size * seq_len
 
 
 def peak_flops(device: torch.device) -> tuple[float, str]:
@@ -108,9 +118,9 @@ class Trainer:
 
     def __init__(self, config: Config, mesh: Mesh | None = None):
         p = config.parallel
-        if p.pp > 1 or p.cp > 1:
-            raise NotImplementedError(f"the trainer runs data and tensor parallelism so far (got pp={p.pp}, "
-                                      f"cp={p.cp}); use dp and tp, or the chapters' notebooks for the other axes")
+        if p.pp > 1:
+            raise NotImplementedError(f"the trainer runs data, tensor and context parallelism so far (got pp={p.pp}); "
+                                      f"use dp, tp and cp, or the chapters' notebooks for pipeline parallelism")
         if p.tp > 1 and p.zero_stage:
             raise NotImplementedError(f"zero_stage={p.zero_stage} with tp={p.tp} is not supported yet: ZeRO's flat "
                                       f"buffers do not know which weights are tensor-parallel shards; use one of them")
@@ -123,26 +133,32 @@ class Trainer:
         if mesh and p.tp > 1:  # chapter 04: each tp rank keeps its slice of every matrix and of the vocabulary
             tp.apply_tensor_parallel(self.model, mesh, sequence_parallel=p.sequence_parallel, counter=mesh.counter)
             self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=mesh.tp_group, counter=mesh.counter)
+        if mesh and p.cp > 1:  # chapter 05: each cp rank holds a slice of every sequence; attention gathers the rest
+            cp.apply_context_parallel(self.model, mesh, mode=p.cp_mode, counter=mesh.counter)
         t = config.train
 
         def make_optimizer(params):
             return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
-        # Both ways broadcast rank 0's weights, so that the replicas start identical.
+        # Both ways broadcast rank 0's weights, so that the replicas start identical. The replicas are the
+        # dp x cp ranks: cp ranks hold the same weights and saw different tokens of the same sequences, so
+        # the mean of their gradients is the gradient of the loss over whole sequences (the dp group when cp=1).
         self.dp = self.zero = None
+        replicas = mesh.dp_cp_group if mesh else None
         if mesh and p.zero_stage == 3:      # chapter 03: parameters gathered unit by unit, prefetched
-            self.zero = Zero3(self.model, mesh.dp_group, optimizer=make_optimizer, counter=mesh.counter)
+            self.zero = Zero3(self.model, replicas, optimizer=make_optimizer, counter=mesh.counter)
         elif mesh and p.zero_stage:         # chapter 03: this rank's shard of the optimizer state (and gradients)
-            self.zero = ZeroOptimizer(self.model, mesh.dp_group, stage=p.zero_stage, optimizer=make_optimizer,
+            self.zero = ZeroOptimizer(self.model, replicas, stage=p.zero_stage, optimizer=make_optimizer,
                                       bucket_mb=t.bucket_mb, counter=mesh.counter)
         elif mesh:                          # chapter 02: bucketed gradient all-reduces, overlapped with backward
-            self.dp = DataParallel(self.model, mesh.dp_group, bucket_mb=t.bucket_mb, counter=mesh.counter)
+            self.dp = DataParallel(self.model, replicas, bucket_mb=t.bucket_mb, counter=mesh.counter)
         # The ZeRO object steps its shards with an AdamW of its own, and has the same methods.
         self.optimizer = self.zero or make_optimizer(self.model.parameters())
-        self.loader = make_loader(config.train, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp)
+        self.loader = make_loader(config.train, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
+                                  cp_rank=mesh.cp_rank if mesh else 0, cp_size=p.cp, zigzag=p.cp_mode == "zigzag")
 
     def train_step(self, step: int) -> StepResult:
-        """Forward and backward over the micro-batches, average gradients over dp, one AdamW step."""
+        """Forward and backward over the micro-batches, average gradients over dp x cp, one AdamW step."""
         t, start = self.config.train, time.perf_counter()
         if self.zero:
             self.zero.zero_grad()          # ZeRO keeps its gradients in flat buffers: zeroed in place
@@ -155,15 +171,18 @@ class Trainer:
             # DataParallel syncs once, in the last backward; ZeRO-1 communicates in step(), ZeRO-2/3 reduce-scatter
             # every micro-batch into their gradient shard (they keep no whole gradient to accumulate into).
             with self.dp.no_sync() if self.dp and not last else nullcontext():
-                logits = self.model(batch.input_ids, batch.position_ids)   # (batch, seq, vocab / tp)
+                logits = self.model(batch.input_ids, batch.position_ids)   # (batch, seq / cp, vocab / tp)
                 loss = self.loss_fn(logits, batch.targets) / t.grad_accum_steps
-                loss.backward()
+                # An MoE model adds its load-balancing loss (0 for a dense one), computed on this rank's tokens
+                # as Megatron-LM does; the log shows the language-model loss alone.
+                (loss + self.model.aux_loss() / t.grad_accum_steps).backward()
             local_loss += loss.detach()
             sample_ids += batch.sample_ids.tolist()
         if self.dp or self.zero:
             (self.dp or self.zero).finish_gradient_sync()
-            dist.all_reduce(local_loss, group=self.mesh.dp_group)  # for the log only: not counted
-            local_loss /= self.mesh.dp_size
+            # Every cp rank's loss is the mean over as many tokens: their mean is the whole sequences' loss.
+            dist.all_reduce(local_loss, group=self.mesh.dp_cp_group)  # for the log only: not counted
+            local_loss /= self.mesh.dp_size * self.mesh.cp_size
         if self.zero:  # each rank holds a shard of the gradient: the norm adds up over the ranks
             grad_norm = self.zero.clip_grad_norm_(t.grad_clip or math.inf)
         elif self.mesh and self.mesh.tp_size > 1:  # likewise over the tp shards; replicated norms count once
@@ -192,14 +211,17 @@ class Trainer:
 
         Under tp the model returns this rank's slice of the vocabulary: all-gather the slices. Under
         sequence parallelism the length must split over tp: pad on the right, which a causal model's
-        earlier positions never see, and cut the padding off again.
+        earlier positions never see, and cut the padding off again. Under cp every rank holds all the
+        weights, so each simply runs the whole (short, any-length) sequence itself with context
+        parallelism switched off: no padding to 2 cp chunks, no gather, the same logits everywhere.
         """
-        if not (self.mesh and self.mesh.tp_size > 1):
-            return self.model(input_ids)
-        seq, tp_size = input_ids.shape[1], self.mesh.tp_size
-        padded = torch.nn.functional.pad(input_ids, (0, -seq % tp_size))       # (batch, seq rounded up to tp)
-        local = self.model(padded)[:, :seq]                                     # (batch, seq, vocab / tp)
-        return tp.gather_along(local.contiguous(), -1, self.mesh.tp_group)     # (batch, seq, vocab)
+        with cp.whole_sequence(self.model):   # nothing to switch off without cp
+            if not (self.mesh and self.mesh.tp_size > 1):
+                return self.model(input_ids)
+            seq, tp_size = input_ids.shape[1], self.mesh.tp_size
+            padded = torch.nn.functional.pad(input_ids, (0, -seq % tp_size))   # (batch, seq rounded up to tp)
+            local = self.model(padded)[:, :seq]                                 # (batch, seq, vocab / tp)
+            return tp.gather_along(local.contiguous(), -1, self.mesh.tp_group)  # (batch, seq, vocab)
 
 
 def train(config: Config, *, progress: bool = True) -> dict:
@@ -221,8 +243,9 @@ def train(config: Config, *, progress: bool = True) -> dict:
         p = config.parallel
         zero = f" ZeRO-{p.zero_stage}" if p.zero_stage and mesh else ""
         tp_text = f" tp={p.tp}{' +SP' if p.sequence_parallel else ''}" if p.tp > 1 else ""
+        cp_text = f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
         print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
-              f"dp={p.dp}{zero}{tp_text}, {tokens_per_step} tokens per step; MFU against {peak_source} "
+              f"dp={p.dp}{zero}{tp_text}{cp_text}, {tokens_per_step} tokens per step; MFU against {peak_source} "
               f"({peak / 1e9:.1f} GFLOP/s per rank)")
     bar = tqdm(range(config.train.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
@@ -260,6 +283,9 @@ def parse_args(argv: list[str] | None) -> Config:
                         help="MiB of gradients per data-parallel all-reduce bucket (0: one per parameter)")
     parser.add_argument("--sp", dest="sequence_parallel", action="store_true", default=None,
                         help="sequence parallelism with --tp (chapter 04): norms split along the sequence")
+    parser.add_argument("--cp-mode", dest="cp_mode", choices=list(CP_MODES),
+                        help="with --cp (chapter 05): ring attention over contiguous slices, zig-zag ring "
+                             "(balanced causal work; the default) or Ulysses all-to-alls over the heads")
     parser.add_argument("--zero", dest="zero_stage", type=int, choices=[0, 1, 2, 3],
                         help="ZeRO stage (chapter 03): the dp ranks split 1 the optimizer state, 2 and the "
                              "gradients, 3 and the parameters; 0 is plain data parallelism (with dp=1 there is "
@@ -277,7 +303,7 @@ def parse_args(argv: list[str] | None) -> Config:
     for name in ("recompute", "attention"):
         if getattr(args, name) is not None:
             config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
-    for axis in ("dp", "pp", "cp", "tp", "zero_stage", "sequence_parallel"):
+    for axis in ("dp", "pp", "cp", "tp", "zero_stage", "sequence_parallel", "cp_mode"):
         if getattr(args, axis) is not None:
             setattr(config.parallel, axis, getattr(args, axis))
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(config.train)

@@ -90,9 +90,9 @@ def test_token_dataset_windows():
         TokenDataset(torch.arange(8), seq_len=8)
 
 
-def _loader(micro_batch_size, dp_rank=0, dp_size=1, seed=7):
+def _loader(micro_batch_size, dp_rank=0, dp_size=1, seed=7, **cp):
     dataset = TokenDataset(torch.arange(64 * 16 + 1) % 256, seq_len=16)   # 64 windows
-    return DataLoader(dataset, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+    return DataLoader(dataset, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed, **cp)
 
 
 def test_loader_dp_ranks_concatenate_to_single_process_batch():
@@ -137,6 +137,42 @@ def test_seq_slice_for_context_parallelism(cp_size):
         assert torch.equal(piece.sample_ids, batch.sample_ids)
     with pytest.raises(ValueError, match="cp_size=3 does not divide seq_len=16"):
         batch.seq_slice(0, 3)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_zigzag_slice_pairs_an_early_and_a_late_chunk(cp_size):
+    batch = _loader(micro_batch_size=3).get_batch(0)
+    chunk = 16 // (2 * cp_size)
+    for r in range(cp_size):
+        piece = batch.seq_slice(r, cp_size, zigzag=True)
+        late = 2 * cp_size - 1 - r
+        expected = torch.cat([torch.arange(r * chunk, (r + 1) * chunk), torch.arange(late * chunk, (late + 1) * chunk)])
+        assert torch.equal(piece.position_ids, expected.expand(3, 2 * chunk))
+        for name in ("input_ids", "targets"):   # the tokens at those positions
+            assert torch.equal(getattr(piece, name), getattr(batch, name)[:, expected])
+    with pytest.raises(ValueError, match=r"cp_size=4 does not divide seq_len=12 evenly \(zig-zag cuts it into "
+                                         r"2\*cp_size = 8 chunks\)"):
+        Batch(batch.input_ids[:, :12], batch.targets[:, :12], batch.sample_ids).seq_slice(0, 4, zigzag=True)
+
+
+@pytest.mark.parametrize("zigzag", [False, True], ids=["contiguous", "zigzag"])
+def test_loader_gives_each_cp_rank_its_tokens(zigzag):
+    """dp=2 x cp=2: the cp ranks of a dp rank share its windows and together hold every token once."""
+    single = _loader(micro_batch_size=6)
+    for step in range(2):
+        reference = single.get_batch(step)
+        for dp_rank in range(2):
+            rows = slice(3 * dp_rank, 3 * dp_rank + 3)
+            pieces = [_loader(3, dp_rank=dp_rank, dp_size=2, cp_rank=cp_rank, cp_size=2, zigzag=zigzag).get_batch(step)
+                      for cp_rank in range(2)]
+            positions = torch.cat([p.position_ids for p in pieces], dim=1)              # (3, 16), a permutation
+            assert torch.equal(positions.sort(dim=1).values, torch.arange(16).expand(3, 16))
+            for piece in pieces:
+                assert torch.equal(piece.sample_ids, reference.sample_ids[rows])
+                assert torch.equal(piece.input_ids, reference.input_ids[rows].gather(1, piece.position_ids))
+                assert torch.equal(piece.targets, reference.targets[rows].gather(1, piece.position_ids))
+    with pytest.raises(ValueError, match="cp_rank=2 must be in"):
+        _loader(3, cp_rank=2, cp_size=2)
 
 
 def _oracle(problems):

@@ -184,3 +184,51 @@ def test_missing_or_unexpected_tensor_is_refused(tmp_path, change):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=message):
         load_hf_llama(tmp_path)
+
+
+# ---- mixture of experts (chapter 07) ----------------------------------------------------------------
+
+MOE = dict(SMALL, num_experts=4, experts_per_token=2)
+
+
+@pytest.mark.parametrize("moe_every, tied", [(1, True), (2, False)])
+def test_moe_layers_and_parameter_count(moe_every, tied):
+    model = small_model(**MOE, moe_every=moe_every, tie_word_embeddings=tied)
+    kinds = [type(layer.mlp).__name__ for layer in model.layers]
+    assert kinds == (["MoE", "MoE"] if moe_every == 1 else ["MLP", "MoE"])   # layers i with (i + 1) % moe_every == 0
+    assert model.num_params() == model.config.num_params()
+    dense = ModelConfig(**SMALL, tie_word_embeddings=tied)
+    per_moe_layer = 3 * 32 * 64 * 3 + 32 * 4                                  # three more experts + the router
+    assert model.config.num_params() == dense.num_params() + len(model.moe_layers()) * per_moe_layer
+    active = model.config.num_params() - len(model.moe_layers()) * 2 * 3 * 32 * 64   # two of four experts idle
+    assert model.config.num_active_params() == active and dense.num_active_params() == dense.num_params()
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_moe_recomputation_gives_identical_gradients(recompute):
+    ids = torch.randint(0, 64, (2, 12))
+    grads = {}
+    for mode in ("none", recompute):
+        model = small_model(**MOE, recompute=mode)
+        (loss_fn(model(ids[:, :-1]), ids[:, 1:]) + model.aux_loss()).backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["none"].items():
+        torch.testing.assert_close(grads[recompute][name], grad, rtol=0, atol=0)
+
+
+def test_dense_model_has_no_aux_loss():
+    model = small_model()
+    model(torch.randint(0, 64, (2, 8)))
+    assert model.moe_layers() == [] and model.aux_loss().item() == 0.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_experts=-1), "num_experts=-1"),
+    (dict(experts_per_token=5), "experts_per_token=5 must be between 1 and num_experts=4"),
+    (dict(moe_capacity_factor=0.0), "moe_capacity_factor=0.0 must be > 0"),
+    (dict(moe_aux_loss_coef=-0.1), "moe_aux_loss_coef=-0.1 must be >= 0"),
+    (dict(moe_every=3), "moe_every=3 leaves no MoE layer among num_layers=2"),
+])
+def test_bad_moe_settings_are_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        small_model(**{**MOE, **change})

@@ -71,7 +71,7 @@ def record_losses(config: Config, steps: int) -> dict:
     """Train `steps` steps; return the losses, gradient norms, the whole weights at the end (ZeRO-3 and
     tensor parallelism gather them) and the held-out digit accuracy."""
     p = config.parallel
-    mesh = Mesh(dp=p.dp, tp=p.tp) if dist.is_initialized() else None
+    mesh = Mesh(dp=p.dp, cp=p.cp, tp=p.tp) if dist.is_initialized() else None
     trainer = Trainer(config, mesh)
     results = [trainer.train_step(step) for step in range(steps)]
     if trainer.zero:
@@ -121,6 +121,47 @@ def test_tensor_parallel_equals_one_process(dp, tp, sequence_parallel):
         assert rank["digits"] == reference["digits"]
 
 
+@pytest.mark.parametrize("dp, cp, tp, cp_mode, more", [
+    (1, 2, 1, "ulysses", dict(grad_accum_steps=2)),   # gradient accumulation: no_sync over the cp ranks too
+    (2, 2, 1, "zigzag", {}),
+    (2, 2, 1, "ring", dict(zero_stage=1)),            # ZeRO shards the state over the dp x cp ranks
+    (1, 2, 2, "zigzag", dict(sequence_parallel=True)),
+], ids=["cp2-ulysses-accum", "dp2-cp2-zigzag", "dp2-cp2-ring-zero1", "cp2-tp2-sp-zigzag"])
+def test_context_parallel_equals_one_process(dp, cp, tp, cp_mode, more):
+    """dp x cp (x tp) ranks, each cp rank holding part of every sequence: the loss (the mean over all tokens),
+    the clipped gradient's norm and the weights equal one process's; the accuracy evaluation, which runs
+    whole prompts of any length on every rank, too."""
+    steps = 6
+    accum = more.pop("grad_accum_steps", 1)
+    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=3,
+                        grad_clip=0.5)
+    parallel = Config(model=SMALL, parallel=ParallelConfig(dp=dp, cp=cp, tp=tp, cp_mode=cp_mode, **more), train=train)
+    single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
+    ranks = run(record_losses, dp * cp * tp, args=(parallel, steps), timeout=120)
+    reference = record_losses(single, steps)
+    assert min(reference["grad_norm"]) > 0.5     # clipping was active at every step: the norm matters
+    for rank in ranks:
+        for step in range(steps):
+            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
+        for name, weight in reference["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+        assert rank["digits"] == reference["digits"]
+
+
+def test_moe_aux_loss_reaches_training_and_flops_count_active_experts():
+    moe = dataclasses.replace(SMALL, num_experts=4, experts_per_token=2)
+    train = TrainConfig(micro_batch_size=2, seq_len=32, steps=1, warmup_steps=1)
+    router_grads = []
+    for coef in (0.0, 0.5):
+        trainer = Trainer(Config(model=dataclasses.replace(moe, moe_aux_loss_coef=coef), train=train))
+        trainer.train_step(0)
+        router_grads.append(trainer.model.layers[0].mlp.router.weight.grad.clone())
+    assert (router_grads[0] - router_grads[1]).abs().max() > 1e-6   # the balancing loss moved the router
+    idle = 2 * 3 * moe.hidden_size * moe.intermediate_size * moe.num_layers    # 2 of 4 experts idle per token
+    assert flops_per_token(moe, 32) == flops_per_token(SMALL, 32) + 6 * (moe.num_params() - SMALL.num_params() - idle)
+
+
 def test_lr_schedule_and_flops():
     config = Config(train=TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, steps=110))
     assert lr_at(0, config) == pytest.approx(0.1)
@@ -144,6 +185,9 @@ def test_command_line_overrides_and_config_file(tmp_path):
     config = parse_args(["--recompute", "full", "--attention", "eager", "--bucket-mb", "0"])
     assert (config.model.recompute, config.model.attention, config.train.bucket_mb) == ("full", "eager", 0.0)
     assert parse_args(["--zero", "3"]).parallel.zero_stage == 3 and parse_args([]).parallel.zero_stage == 0
+    config = parse_args(["--dp", "1", "--cp", "2", "--cp-mode", "ring"])
+    assert (config.parallel.cp, config.parallel.cp_mode) == (2, "ring")
+    assert parse_args(["--cp", "2"]).parallel.cp_mode == "zigzag"   # balanced by default
 
 
 def test_bad_configs_are_clear_errors(tmp_path):
@@ -168,6 +212,21 @@ def test_bad_configs_are_clear_errors(tmp_path):
         validate(parse_args(["--dp", "1", "--tp", "2", "--sp", "--seq-len", "31"]))
     with pytest.raises(NotImplementedError, match="zero_stage=1 with tp=2 is not supported yet"):
         Trainer(parse_args(["--dp", "1", "--tp", "2", "--zero", "1"]))
+    with pytest.raises(ValueError, match=r"cp_mode='striped' is not a context-parallel mode; choose one of "
+                                         r"\('ring', 'zigzag', 'ulysses'\)"):
+        validate(Config.from_dict({"parallel": {"cp": 2, "cp_mode": "striped"}}))
+    with pytest.raises(ValueError, match=r"seq_len=36 does not split for cp_mode='zigzag' \(zig-zag cuts it into "
+                                         r"2\*cp = 8 chunks\); choose a seq_len that is a multiple of 8"):
+        validate(parse_args(["--dp", "1", "--cp", "4", "--seq-len", "36"]))
+    validate(parse_args(["--dp", "1", "--cp", "4", "--cp-mode", "ring", "--seq-len", "36"]))   # 4 slices of 9
+    with pytest.raises(ValueError, match="cp=4 does not divide the 4 query and 2 key/value heads"):
+        validate(parse_args(["--dp", "1", "--cp", "4", "--cp-mode", "ulysses"]))
+    with pytest.raises(SystemExit):   # argparse: "argument --cp-mode: invalid choice"
+        parse_args(["--cp-mode", "striped"])
+    with pytest.raises(ValueError, match="cp=2 does not divide the 2 query and 1 key/value heads per tp rank"):
+        validate(parse_args(["--dp", "1", "--tp", "2", "--cp", "2", "--cp-mode", "ulysses"]))
+    with pytest.raises(ValueError, match=r"does not divide by it; choose a seq_len that is a multiple of 4"):
+        validate(parse_args(["--dp", "1", "--tp", "2", "--sp", "--cp", "2", "--cp-mode", "ring", "--seq-len", "34"]))
 
 
 def test_main_job_runs_two_ranks_from_the_command_line():

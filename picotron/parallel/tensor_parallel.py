@@ -419,6 +419,10 @@ def _check_divides(tp: int, **sizes: int) -> None:
 
 def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
     """Raise ValueError if the model cannot be split over tp ranks (whole heads, equal shards)."""
+    if config.num_experts and tp > 1:
+        raise NotImplementedError(f"tp={tp} with an MoE model (num_experts={config.num_experts}): tensor parallelism "
+                                  f"of expert layers is not written; split the experts with expert parallelism "
+                                  f"(picotron/parallel/expert_parallel.py) and use tp=1")
     _check_divides(tp, num_attention_heads=config.num_attention_heads,
                    num_key_value_heads=config.num_key_value_heads,
                    intermediate_size=config.intermediate_size, vocab_size=config.vocab_size)

@@ -1,0 +1,627 @@
+"""Context parallelism: every rank holds a slice of each sequence; attention is the only op that must talk.
+
+Activation memory grows with the sequence: with s = 128k tokens even one sequence per GPU no
+longer fits, however the weights are split (Playbook, "Context Parallelism"). Everything in a
+decoder layer except attention works token by token (the norms, the q/k/v/o projections, the
+MLP), so cp ranks can each take s/cp tokens of every sequence and compute them alone, with the
+whole model replicated as in data parallelism. Attention is different: a query must see every
+earlier key and value. Two ways to give it them:
+
+    ring attention    the queries stay; the key/value blocks travel around the ring of cp ranks,
+                      one hop per step (Liu et al. 2023, "Ring Attention with Blockwise
+                      Transformers", arXiv:2310.01889; Playbook, "Ring Attention"). Each rank
+                      merges the blocks into its output with the online softmax (Milakov &
+                      Gimelshein 2018, arXiv:1805.02867), so no rank ever holds the (s x s) scores
+                      or more than two key/value blocks. The next block's transfer is posted
+                      before the current block is computed, so the two overlap.
+    zig-zag ring      the same ring, with a layout that balances the causal work: the sequence is
+                      cut into 2 cp chunks and rank r holds chunks r and 2cp-1-r (Playbook,
+                      "Zig-Zag Ring Attention"; Llama 3, arXiv:2407.21783, section 3.3.2). With
+                      contiguous slices rank r's queries see r+1 of the cp blocks, so the last
+                      rank computes cp times what the first does and the others wait for it.
+    Ulysses           swap the split: an all-to-all turns (tokens/cp, all heads) into (all tokens,
+                      heads/cp), every rank runs ordinary attention for its heads, and a second
+                      all-to-all swaps back (Jacobs et al. 2023, "DeepSpeed Ulysses",
+                      arXiv:2309.14509). Needs heads and key/value heads divisible by cp.
+
+The weights are replicated, so their gradients are averaged over the dp x cp ranks (the mesh's
+dp_cp group) exactly as in data parallelism: each rank's loss is the mean over its s/cp tokens,
+all ranks hold equally many, so the mean of the cp ranks' losses is the mean over the whole
+sequence, and averaging their gradients gives its gradient. The backward of attention
+already sends each key's gradient back to the rank that owns the key.
+
+Cost per decoder layer and rank (b batch, s sequence, c = cp, n_q / n_kv query / key-value
+heads of width d, a bytes per element):
+
+    memory          every activation of the layer covers s/c tokens instead of s: divided by c
+                    (`cp_activation_bytes_per_layer`). Ring attention keeps what a fused kernel
+                    keeps (q, k, v, output, an fp32 log-sum-exp per query row); Ulysses with SDPA
+                    keeps the output twice (head slices for the core's backward, sequence slices
+                    for o_proj).
+    ring            forward: c-1 hops of the block K,V, 2 a b (s/c) n_kv d bytes each;
+                    backward: c-1 hops of K,V again and c hops of their fp32 gradients. In fp32
+                    (3c-2)/c x 2 a b s n_kv d per layer: almost the same whatever c is, hidden
+                    behind the block computation as long as computing a block takes longer
+                    than sending one.
+    Ulysses         4 all-to-alls forward (q, k, v in, the output back), a b (s/c) d (2 n_q + 2 n_kv)
+                    bytes together, and as many backward; a rank keeps 1/c of each and sends the
+                    rest, so the bytes fall like 1/c, but nothing overlaps them and c <= n_kv.
+    (`cp_comm_per_layer` gives what CommCounter counts, `cp_comm_bytes_per_layer` the wire bytes.)
+
+How to use it (every rank builds the same model; the loader gives each cp rank its slice of the
+tokens and their position ids, which RoPE uses, so a rank's positions need not start at 0):
+
+    model = apply_context_parallel(Llama(config), mesh, mode="zigzag")
+    batch = DataLoader(..., cp_rank=mesh.cp_rank, cp_size=mesh.cp_size, zigzag=True).get_batch(step)
+    loss_fn(model(batch.input_ids, batch.position_ids), batch.targets).backward()
+    all_reduce_gradients(model, mesh.dp_cp_group)    # average over dp x cp
+
+The model file is untouched: `apply_context_parallel` replaces each layer's `Attention.attend`
+(the attention core between RoPE and o_proj) with a `ContextParallelCore`. It composes with
+tensor parallelism (each tp rank attends over its heads; Ulysses then needs heads/tp divisible
+by cp) and with recomputation (a recomputed core runs its ring or all-to-alls again in backward).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from picotron import comm
+from picotron.comm import CommCounter
+from picotron.config import CP_MODES as MODES
+from picotron.config import ModelConfig, check_context_parallel
+
+__all__ = ["MODES", "online_softmax", "attention_block", "merge_blocks", "online_softmax_attention", "cp_chunks",
+           "cp_positions", "split_sequence", "gather_sequence", "AttentionWork", "RingAttention", "ring_attention",
+           "AllToAll", "ulysses_attention", "check_context_parallel", "ContextParallelCore", "apply_context_parallel",
+           "whole_sequence", "ring_attention_work", "replay_ring_work", "cp_comm_per_layer", "cp_comm_bytes_per_layer",
+           "cp_activation_bytes_per_layer"]
+
+
+# ---- one device: softmax and attention one block of keys at a time --------------------------------
+def online_softmax(scores: torch.Tensor, num_blocks: int = 4) -> torch.Tensor:
+    """softmax(scores) over the last dimension, reading the scores one block at a time.
+
+    softmax(x)_j = exp(x_j - m) / l with m = max x (so exp never overflows) and l = sum_j exp(x_j - m).
+    Both build up block by block (Milakov & Gimelshein 2018, arXiv:1805.02867): when a block raises
+    the running max from m to m', the sum so far is rescaled by exp(m - m') and the block's own
+    terms are added. Attention goes one step further (`merge_blocks`): it rescales the running
+    *output* the same way, so it never needs the scores again; log l + m is the log-sum-exp.
+    """
+    m = torch.full(scores.shape[:-1], float("-inf"), dtype=scores.dtype, device=scores.device)  # running max
+    l = torch.zeros_like(m)                                                                      # running sum
+    for block in scores.chunk(num_blocks, dim=-1):
+        new_m = torch.maximum(m, block.amax(dim=-1))
+        l = l * torch.exp(m - new_m) + torch.exp(block - new_m[..., None]).sum(dim=-1)
+        m = new_m
+    return torch.exp(scores - m[..., None]) / l[..., None]
+
+
+def _group_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(batch, heads, seq, d) -> (batch, kv_heads, heads/kv_heads, seq, d): the query heads that share
+    a key/value head side by side (query head i reads key/value head i // groups, as in HF's repeat_kv)."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
+
+
+def _future_mask(size: int, like: torch.Tensor) -> torch.Tensor:
+    """(size, size) additive mask: -inf where the key comes after the query."""
+    return torch.full((size, size), float("-inf"), dtype=like.dtype, device=like.device).triu(1)
+
+
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(d)) v over one block of keys, and each query row's log-sum-exp (fp32).
+
+    q: (batch, heads, sq, d); k, v: (batch, kv_heads, sk, d), kv_heads dividing heads (GQA: no copy
+    of k and v is made). causal=True for a block on the diagonal (queries and keys are the same
+    positions): a query sees itself and the keys before it. The log-sum-exp, lse = log sum_j
+    exp(score_j), is what `merge_blocks` needs to put blocks together.
+    """
+    batch, kv_heads, sk, d = k.shape
+    scores = _group_heads(q, kv_heads) @ k.unsqueeze(2).transpose(-2, -1) / math.sqrt(d)  # (b, kv, g, sq, sk)
+    if causal:
+        scores = scores + _future_mask(sk, scores)
+    lse = torch.logsumexp(scores.float(), dim=-1)                                     # (b, kv, g, sq)
+    probs = torch.exp(scores.float() - lse[..., None]).to(v.dtype)
+    out = probs @ v.unsqueeze(2)                                                      # (b, kv, g, sq, d)
+    return out.flatten(1, 2), lse.flatten(1, 2)                             # (b, heads, sq, d), (b, heads, sq)
+
+
+def merge_blocks(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
+                 block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online softmax: combine the attention over keys seen so far with that over a new block.
+
+    Each output is a softmax-weighted mean, sum_j exp(score_j - lse) v_j. Over the union of two
+    key sets the normaliser is lse = log(exp(lse_1) + exp(lse_2)), and each part's mean is
+    reweighted by its share exp(lse_i - lse) of the total. Working with logs keeps exp from
+    overflowing (the role of the running max). Out and lse start as None (no keys yet); the
+    result is in fp32.
+    """
+    block_out = block_out.float()
+    if out is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)                                          # (b, heads, sq)
+    out = out * torch.exp(lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)[..., None]
+    return out, new_lse
+
+
+def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_blocks: int = 4,
+                             causal: bool = True) -> torch.Tensor:
+    """Causal (or full) attention on one device, computed `num_blocks` x `num_blocks` blocks at a time.
+
+    Query block i meets key blocks 0..i (causal: later blocks are the future, skipped; block i is
+    the diagonal), merging them with the online softmax. Equal to softmax attention; the same
+    loop is what ring attention runs, with the key blocks arriving from other ranks. Plain torch
+    ops, so autograd differentiates it. q: (batch, heads, seq, d), k, v: (batch, kv_heads, seq, d).
+    """
+    seq = q.shape[2]
+    if seq % num_blocks:
+        raise ValueError(f"sequence of {seq} tokens does not split into num_blocks={num_blocks} equal blocks; "
+                         f"choose num_blocks among the divisors of {seq}")
+    outs = []
+    for i, q_block in enumerate(q.chunk(num_blocks, dim=2)):                     # (b, heads, seq/blocks, d)
+        out = lse = None
+        for j, (k_block, v_block) in enumerate(zip(k.chunk(num_blocks, dim=2), v.chunk(num_blocks, dim=2))):
+            if causal and j > i:
+                break
+            out, lse = merge_blocks(out, lse, *attention_block(q_block, k_block, v_block, causal and i == j))
+        outs.append(out.to(q.dtype))
+    return torch.cat(outs, dim=2)                                                # (b, heads, seq, d)
+
+
+# ---- who holds which tokens ---------------------------------------------------------------------
+def cp_chunks(cp_rank: int, cp_size: int, zigzag: bool = False) -> list[int]:
+    """The chunks of the sequence a cp rank holds, in order: of cp chunks, or of 2 cp under zig-zag.
+
+    Zig-zag pairs an early chunk with a late one: rank r holds r and 2cp-1-r, so every rank's
+    queries see about as many earlier keys as any other's.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
+    return [cp_rank, 2 * cp_size - 1 - cp_rank] if zigzag else [cp_rank]
+
+
+def cp_positions(seq_len: int, cp_rank: int, cp_size: int, zigzag: bool = False) -> torch.Tensor:
+    """Positions (indices into the sequence) a cp rank holds, (seq_len / cp_size,) long."""
+    num_chunks = 2 * cp_size if zigzag else cp_size
+    if seq_len % num_chunks:
+        layout = f"zig-zag cuts it into 2*cp_size = {num_chunks} chunks" if zigzag else "each rank takes 1/cp_size"
+        raise ValueError(f"cp_size={cp_size} does not divide seq_len={seq_len} evenly ({layout}); "
+                         f"pick a seq_len that is a multiple of {num_chunks}")
+    width = seq_len // num_chunks
+    return torch.cat([torch.arange(c * width, (c + 1) * width) for c in cp_chunks(cp_rank, cp_size, zigzag)])
+
+
+def split_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, zigzag: bool = False, dim: int = 2) -> torch.Tensor:
+    """This cp rank's tokens of a whole-sequence tensor (no communication), along `dim`."""
+    index = cp_positions(x.shape[dim], cp_rank, cp_size, zigzag).to(x.device)
+    return x.index_select(dim, index)
+
+
+def gather_sequence(pieces: list[torch.Tensor], zigzag: bool = False, dim: int = 2) -> torch.Tensor:
+    """The inverse of `split_sequence`: the whole sequence from every rank's piece (rank order)."""
+    cp_size, seq = len(pieces), sum(p.shape[dim] for p in pieces)
+    index = torch.cat([cp_positions(seq, r, cp_size, zigzag) for r in range(cp_size)]).to(pieces[0].device)
+    whole = torch.cat(pieces, dim=dim)
+    return whole.index_select(dim, torch.argsort(index))        # put each position back in its place
+
+
+# ---- ring attention --------------------------------------------------------------------------------
+@dataclass
+class AttentionWork:
+    """What ring attention did on this rank, added up over calls: chunk pairs (query chunk x key chunk)
+    computed, their matmul FLOPs, seconds computing them and seconds waiting for a transfer.
+
+    Pass one to `ring_attention` (or `apply_context_parallel`) to see the causal imbalance: with
+    contiguous slices the last rank computes cp times the first's blocks and the first waits.
+    """
+
+    blocks: int = 0
+    flops: int = 0
+    compute_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.blocks, self.flops, self.compute_seconds, self.wait_seconds = 0, 0, 0.0, 0.0
+
+
+def _pairs(q_chunks: list[int], kv_chunks: list[int]) -> Iterator[tuple[int, int, bool]]:
+    """(i, j, causal) for each query chunk i and key chunk j it can see: j earlier (all of it) or
+    the same chunk (the diagonal, causal). Later key chunks are the future: skipped, no work."""
+    for i, q_chunk in enumerate(q_chunks):
+        for j, kv_chunk in enumerate(kv_chunks):
+            if kv_chunk <= q_chunk:
+                yield i, j, kv_chunk == q_chunk
+
+
+class _RingHop:
+    """One hop in flight: our tensor on its way to the next rank, the previous rank's on its way here.
+
+    Both sides are posted at once (a rank that only sent would wait for a neighbour that is also
+    only sending); `wait` returns the received tensor. picotron.comm.send_recv does the same but
+    blocks, and the point here is to compute while the bytes move, so the hop is posted with
+    batch_isend_irecv and counted in the counter as comm.send_recv counts it ("send").
+    """
+
+    def __init__(self, tensor: torch.Tensor, group, counter: CommCounter | None):
+        cp, me = dist.get_world_size(group), dist.get_rank(group)
+        next_rank, prev_rank = dist.get_global_rank(group, (me + 1) % cp), dist.get_global_rank(group, (me - 1) % cp)
+        self.outgoing, self.incoming = tensor, torch.empty_like(tensor)   # both must live until wait()
+        if counter is not None:
+            counter.record("send", tensor.numel() * tensor.element_size())
+        self.requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, next_rank, group),
+                                                dist.P2POp(dist.irecv, self.incoming, prev_rank, group)])
+
+    def wait(self, work: AttentionWork | None = None) -> torch.Tensor:
+        start = time.perf_counter()
+        for request in self.requests:
+            request.wait()
+        if work is not None:
+            work.wait_seconds += time.perf_counter() - start
+        return self.incoming
+
+
+def _block_grads(q, k, v, dout, lse, delta, causal):
+    """dq, dk, dv of one block's share of the attention, given the whole row's lse and delta.
+
+    The probabilities of this block are exp(score - lse) with the *final* lse (FlashAttention's
+    backward, Dao et al. 2022, arXiv:2205.14135): recomputed, never stored. With dS = P (dP - delta),
+    delta = rowsum(dO * O): dV = P^T dO, dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
+    Shapes as in `attention_block`; lse, delta: (batch, heads, sq) fp32.
+    """
+    kv_heads, d = k.shape[1], k.shape[-1]
+    qg, doutg = _group_heads(q, kv_heads), _group_heads(dout, kv_heads)           # (b, kv, g, sq, d)
+    k, v = k.unsqueeze(2), v.unsqueeze(2)                                          # (b, kv, 1, sk, d)
+    scores = qg @ k.transpose(-2, -1) / math.sqrt(d)                               # (b, kv, g, sq, sk)
+    if causal:
+        scores = scores + _future_mask(k.shape[-2], scores)
+    probs = torch.exp(scores.float() - _group_heads(lse, kv_heads)[..., None])
+    dv = (probs.transpose(-2, -1) @ doutg.float()).sum(2)                          # (b, kv, sk, d): over the group
+    dprobs = doutg.float() @ v.transpose(-2, -1).float()                           # (b, kv, g, sq, sk)
+    dscores = probs * (dprobs - _group_heads(delta, kv_heads)[..., None]) / math.sqrt(d)
+    dq = (dscores @ k.float()).flatten(1, 2)                                       # (b, heads, sq, d)
+    dk = (dscores.transpose(-2, -1) @ qg.float()).sum(2)                           # (b, kv, sk, d)
+    return dq, dk, dv
+
+
+def _record(work: AttentionWork | None, start: float, blocks: int, flops: int) -> None:
+    if work is not None:
+        work.compute_seconds += time.perf_counter() - start
+        work.blocks += blocks
+        work.flops += flops
+
+
+def _pair_flops(q_chunk: torch.Tensor, matmuls: int) -> int:
+    """FLOPs of one chunk pair: `matmuls` (c x d) @ (d x c) products per query head, 2 c^2 d each."""
+    batch, heads, c, d = q_chunk.shape
+    return matmuls * 2 * batch * heads * c * c * d
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention over a sequence split over the ranks of `group`, blocks of keys passed round.
+
+    Forward, step t = 0 .. cp-1: this rank holds the key/value block of rank (me - t) mod cp. It posts
+    the hop that passes the block on (and brings the next one in), then computes its query chunks
+    against the block's key chunks (`_pairs`: skip the future, causal on the diagonal, full for the
+    past) and merges them into its output with the online softmax.
+
+    Backward, same steps: dQ stays here; dK and dV of a block travel with it, each rank adding the
+    gradient its queries give that block's keys, and after a last hop every block's gradient is
+    back with its owner, complete. Saves q, k, v, the output and the fp32 log-sum-exp.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, zigzag, counter, work):
+        cp, me = dist.get_world_size(group), dist.get_rank(group)
+        mine = cp_chunks(me, cp, zigzag)
+        n = len(mine)
+        if q.shape[2] % n:
+            raise ValueError(f"zig-zag ring attention needs an even number of local tokens (two chunks), got "
+                             f"{q.shape[2]}; the sequence length must be a multiple of 2*cp = {2 * cp}")
+        batch, heads, seq, d = q.shape                                # seq: this rank's s/cp tokens
+        outs, lses = [None] * n, [None] * n
+        q_chunks = q.chunk(n, dim=2)                                  # (b, heads, s/cp/n, d) each
+        kv = torch.stack([k, v])                                      # (2, b, kv_heads, s/cp, d): one message
+        for step in range(cp):
+            hop = _RingHop(kv, group, counter) if step < cp - 1 else None   # the next block moves meanwhile
+            theirs = cp_chunks((me - step) % cp, cp, zigzag)
+            k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+            start, pairs = time.perf_counter(), list(_pairs(mine, theirs))
+            for i, j, causal in pairs:
+                block = attention_block(q_chunks[i], k_chunks[j], v_chunks[j], causal)
+                outs[i], lses[i] = merge_blocks(outs[i], lses[i], *block)
+            _record(work, start, len(pairs), len(pairs) * _pair_flops(q_chunks[0], matmuls=2))
+            if hop is not None:
+                kv = hop.wait(work)
+        # Laid out (batch, seq, heads, d) like q, so o_proj reads the output without a copy.
+        out = q.new_empty(batch, seq, heads, d).transpose(1, 2)       # (b, heads, s/cp, d)
+        out.copy_(torch.cat(outs, dim=2))
+        lse = torch.cat(lses, dim=2)                                  # (b, heads, s/cp) fp32
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.zigzag, ctx.counter, ctx.work = group, zigzag, counter, work
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, zigzag, counter, work = ctx.group, ctx.zigzag, ctx.counter, ctx.work
+        cp, me = dist.get_world_size(group), dist.get_rank(group)
+        mine = cp_chunks(me, cp, zigzag)
+        n = len(mine)
+        delta = (dout.float() * out.float()).sum(-1)                  # (b, heads, s/cp): rowsum(dO * O)
+        q_chunks, dout_chunks = q.chunk(n, dim=2), dout.chunk(n, dim=2)
+        lse_chunks, delta_chunks = lse.chunk(n, dim=2), delta.chunk(n, dim=2)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq_chunks = dq.chunk(n, dim=2)                                # views: adding into them fills dq
+        kv = torch.stack([k, v])                                      # (2, b, kv_heads, s/cp, d)
+        grad_hop = None
+        for step in range(cp):
+            hop = _RingHop(kv, group, counter) if step < cp - 1 else None
+            theirs = cp_chunks((me - step) % cp, cp, zigzag)
+            k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this block's, from our queries
+            dk_chunks, dv_chunks = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)
+            start, pairs = time.perf_counter(), list(_pairs(mine, theirs))
+            for i, j, causal in pairs:
+                dq_ij, dk_ij, dv_ij = _block_grads(q_chunks[i], k_chunks[j], v_chunks[j], dout_chunks[i],
+                                                   lse_chunks[i], delta_chunks[i], causal)
+                dq_chunks[i].add_(dq_ij)
+                dk_chunks[j].add_(dk_ij)
+                dv_chunks[j].add_(dv_ij)
+            _record(work, start, len(pairs), len(pairs) * _pair_flops(q_chunks[0], matmuls=5))
+            if grad_hop is not None:                                  # what the ranks before us gave this block
+                dkv += grad_hop.wait(work)
+            grad_hop = _RingHop(dkv, group, counter) if cp > 1 else None   # fp32: c additions, no bf16 rounding
+            if hop is not None:
+                kv = hop.wait(work)
+        if grad_hop is not None:
+            dkv = grad_hop.wait(work)                                 # our own block, every rank's share added
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, zigzag: bool = False,
+                   counter: CommCounter | None = None, work: AttentionWork | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence, split over `group`.
+
+    q: (batch, heads, s/cp, d), k, v: (batch, kv_heads, s/cp, d), this rank's tokens: a contiguous
+    slice (rank r: [r s/cp, (r+1) s/cp)) or, with zigzag=True, chunks r and 2cp-1-r of 2 cp.
+    Returns (batch, heads, s/cp, d), this rank's rows of softmax(q k^T / sqrt(d)) v.
+    """
+    return RingAttention.apply(q, k, v, group, zigzag, counter, work)
+
+
+# ---- Ulysses -----------------------------------------------------------------------------------------
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, counter) -> torch.Tensor:
+    """Cut `x` into cp pieces along scatter_dim, send piece j to rank j, join what arrives along gather_dim."""
+    cp = dist.get_world_size(group)
+    send = torch.stack(x.chunk(cp, dim=scatter_dim))                  # (cp, ...): piece j goes to rank j
+    received = torch.empty_like(send)                                 # received[j]: rank j's piece for us
+    comm.all_to_all(received, send, group=group, counter=counter)
+    return torch.cat(received.unbind(0), dim=gather_dim)              # rank 0's piece first
+
+
+class AllToAll(torch.autograd.Function):
+    """Move the split of a tensor from one dimension to another; backward moves it back."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group, counter):
+        ctx.dims, ctx.group, ctx.counter = (scatter_dim, gather_dim), group, counter
+        return _all_to_all(x, scatter_dim, gather_dim, group, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group, ctx.counter), None, None, None, None
+
+
+def _causal_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
+                      attend: Callable = _causal_sdpa, counter: CommCounter | None = None) -> torch.Tensor:
+    """Causal attention with the sequence split over `group`, by swapping the split to the heads.
+
+    q: (batch, heads, s/cp, d), k, v: (batch, kv_heads, s/cp, d), contiguous slices in rank order.
+    `attend` is any causal attention over a whole sequence (the model's own core by default).
+    """
+    cp = dist.get_world_size(group)
+    if q.shape[1] % cp or k.shape[1] % cp:
+        raise ValueError(f"Ulysses gives each of the cp={cp} ranks whole heads, but there are {q.shape[1]} query "
+                         f"and {k.shape[1]} key/value heads; choose cp dividing both, or use ring attention")
+    # (batch, heads, s/cp, d) -> (batch, heads/cp, s, d): all tokens, our heads
+    q, k, v = (AllToAll.apply(t, 1, 2, group, counter) for t in (q, k, v))
+    out = attend(q, k, v)                                             # (batch, heads/cp, s, d)
+    return AllToAll.apply(out, 2, 1, group, counter)                  # (batch, heads, s/cp, d)
+
+
+# ---- applying it to the Llama -----------------------------------------------------------------------
+class ContextParallelCore:
+    """Stands in for one layer's `Attention.attend`: q, k, v of this rank's tokens -> their output.
+
+    `whole_sequence` switches it off (enabled=False): then it is the layer's own core again.
+    """
+
+    def __init__(self, local_attend: Callable, group, mode: str, counter: CommCounter | None = None,
+                 work: AttentionWork | None = None):
+        self.local_attend, self.group, self.mode = local_attend, group, mode
+        self.counter, self.work, self.enabled = counter, work, True
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or dist.get_world_size(self.group) == 1:
+            return self.local_attend(q, k, v)
+        if self.mode == "ulysses":
+            return ulysses_attention(q, k, v, self.group, attend=self.local_attend, counter=self.counter)
+        return ring_attention(q, k, v, self.group, zigzag=self.mode == "zigzag", counter=self.counter, work=self.work)
+
+    def __repr__(self) -> str:
+        return f"ContextParallelCore(mode={self.mode!r}, cp={dist.get_world_size(self.group)})"
+
+
+def apply_context_parallel(model, mesh, mode: str = "zigzag", *, counter: CommCounter | None = None,
+                           work: AttentionWork | None = None):
+    """Make every layer of a Llama attend over a sequence split over mesh.cp_group, in place.
+
+    Afterwards feed each cp rank its tokens and their position ids (`cp_positions`; the loader's
+    cp_rank/cp_size/zigzag do it): model(input_ids, position_ids) -> (batch, s/cp, vocab) logits of
+    those tokens. mode: "ring" (contiguous slices), "zigzag" (ring, balanced layout) or "ulysses"
+    (contiguous slices, heads all-to-all). Under "ring" and "zigzag" ring attention is the whole
+    core, so the model's attention="eager" or "sdpa" makes no difference; Ulysses wraps the
+    model's own core. counter: mesh.counter by default.
+    """
+    check_context_parallel(model.config, mesh.cp_size, mode, tp=mesh.tp_size)   # tp: heads per rank
+    counter = mesh.counter if counter is None else counter
+    for layer in model.layers:
+        attn = layer.attn
+        local = attn.attend.local_attend if isinstance(attn.attend, ContextParallelCore) else attn.attend
+        attn.attend = ContextParallelCore(local, mesh.cp_group, mode, counter, work)   # shadows the method
+    return model
+
+
+@contextmanager
+def whole_sequence(model) -> Iterator[None]:
+    """Inside, every rank attends over the whole sequence it is given, as without CP.
+
+    For evaluation on short, odd-length prompts: each cp rank holds all the weights, so each can
+    compute the full logits alone (cp times the work of splitting, no communication).
+    """
+    cores = [layer.attn.attend for layer in model.layers if isinstance(layer.attn.attend, ContextParallelCore)]
+    for core in cores:
+        core.enabled = False
+    try:
+        yield
+    finally:
+        for core in cores:
+            core.enabled = True
+
+
+# ---- cost formulas ----------------------------------------------------------------------------------
+def ring_attention_work(batch: int, seq: int, heads: int, head_dim: int, cp: int, zigzag: bool = False,
+                        backward: bool = False) -> list[dict[str, int]]:
+    """Per rank: the chunk pairs ring attention computes in one pass, and their matmul FLOPs.
+
+    Counted from the schedule (`_pairs` at every step). A pair of chunks of c queries and c keys
+    costs 2 matmuls of 2 c^2 d FLOPs per head forward, 5 backward (scores again, dV, dP, dQ, dK).
+    Contiguous slices: rank r computes r+1 pairs of (s/cp)^2. Zig-zag: every rank 2cp+1 pairs of
+    (s/2cp)^2, so the slowest rank does (2cp+1)/(4cp) of the contiguous layout's slowest: about half.
+    """
+    chunks = 2 * cp if zigzag else cp
+    c = seq // chunks
+    per_pair = (5 if backward else 2) * 2 * batch * heads * c * c * head_dim
+    work = []
+    for rank in range(cp):
+        blocks = sum(len(list(_pairs(cp_chunks(rank, cp, zigzag), cp_chunks((rank - step) % cp, cp, zigzag))))
+                     for step in range(cp))
+        work.append({"blocks": blocks, "flops": blocks * per_pair})
+    return work
+
+
+def replay_ring_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, zigzag: bool = False,
+                     repeats: int = 3) -> list[dict[str, float]]:
+    """Each cp rank's forward ring-attention computations, replayed one rank after another on this device.
+
+    q: (batch, heads, s, d), k, v: (batch, kv_heads, s, d), the whole sequence. For every rank, the
+    chunk pairs it would compute at each ring step (`_pairs`), timed together (best of `repeats`):
+    per-rank blocks, FLOPs and seconds without the noise of cp ranks sharing a few CPU cores or
+    waiting for each other (an `AttentionWork` passed to ring_attention measures the real run).
+    """
+    per_rank = []
+    for rank in range(cp):
+        mine = cp_chunks(rank, cp, zigzag)
+        n = len(mine)
+        q_chunks = split_sequence(q, rank, cp, zigzag).chunk(n, dim=2)
+        blocks = []                                   # (key chunks, value chunks, pairs) at each ring step
+        for src in ((rank - step) % cp for step in range(cp)):
+            k_chunks = split_sequence(k, src, cp, zigzag).chunk(n, dim=2)
+            v_chunks = split_sequence(v, src, cp, zigzag).chunk(n, dim=2)
+            blocks.append((k_chunks, v_chunks, list(_pairs(mine, cp_chunks(src, cp, zigzag)))))
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for k_chunks, v_chunks, pairs in blocks:
+                for i, j, causal in pairs:
+                    attention_block(q_chunks[i], k_chunks[j], v_chunks[j], causal)
+            best = min(best, time.perf_counter() - start)
+        count = sum(len(pairs) for _, _, pairs in blocks)
+        per_rank.append({"blocks": count, "flops": count * _pair_flops(q_chunks[0], matmuls=2), "seconds": best})
+    return per_rank
+
+
+def cp_comm_per_layer(config: ModelConfig, batch: int, seq: int, cp: int, mode: str,
+                      dtype_bytes: int = 4) -> dict[str, dict[str, tuple[int, int]]]:
+    """What one decoder layer hands to the collectives on each rank, as CommCounter counts it.
+
+    {"forward": {op: (calls, payload bytes)}, "backward": {...}}. Ring and zig-zag: the K,V block,
+    2 a b (s/cp) n_kv d, sent cp-1 times forward and again backward, plus its fp32 gradient sent cp
+    times backward. Ulysses: 4 all-to-alls of q, k, v, output per pass, the whole local tensor
+    each. Without recomputation ("selective" and "full" run the forward's once more in backward).
+    """
+    check_context_parallel(config, cp, mode)
+    if cp == 1:
+        return {"forward": {}, "backward": {}}
+    tokens, d = batch * (seq // cp), config.head_dim
+    if mode == "ulysses":
+        both = {"all_to_all": (4, dtype_bytes * tokens * d * (2 * config.num_attention_heads
+                                                              + 2 * config.num_key_value_heads))}
+        return {"forward": both, "backward": dict(both)}
+    kv_block = 2 * tokens * config.num_key_value_heads * d                       # elements of K and V
+    return {"forward": {"send": (cp - 1, (cp - 1) * kv_block * dtype_bytes)},
+            "backward": {"send": (2 * cp - 1, (cp - 1) * kv_block * dtype_bytes + cp * kv_block * 4)}}
+
+
+def cp_comm_bytes_per_layer(config: ModelConfig, batch: int, seq: int, cp: int, mode: str,
+                            dtype_bytes: int = 4) -> int:
+    """Bytes each rank puts on the wire per layer per training step (forward + backward).
+
+    A ring hop sends all it is given; an all-to-all keeps 1/cp of its input (the piece for itself)
+    and sends the rest. For comparison: the ring's total barely changes with cp, Ulysses' falls as 1/cp.
+    """
+    counted = cp_comm_per_layer(config, batch, seq, cp, mode, dtype_bytes)
+    total = sum(nbytes for pass_ in counted.values() for _, nbytes in pass_.values())
+    return total * (cp - 1) // cp if mode == "ulysses" else total
+
+
+def cp_activation_bytes_per_layer(config: ModelConfig, batch: int, seq: int, cp: int, mode: str = "zigzag",
+                                  dtype_bytes: int = 4) -> int:
+    """Bytes one decoder layer saves for backward on each cp rank, counted like memory.activation_bytes_per_layer.
+
+    Every term of that formula is per token, so with n = b s/cp tokens on this rank (a bytes per
+    element, h hidden, n_q / n_kv heads of width d, f MLP width):
+
+        RMSNorm, twice   (4 + 2a) n h + 4 n
+        attention        a n (2 n_q d + 2 n_kv d)      q, k after RoPE, v, output
+            ring         + 4 b n_q s/cp                fp32 log-sum-exp (whatever config.attention says)
+            Ulysses      + memory.attention_core_bytes at the full s, / cp (the core sees n_q/cp heads
+                         of all s tokens: eager's probabilities are a b n_q s^2 / cp, not / cp^2)
+                         + a n n_q d under sdpa        its output twice: SDPA keeps it in head slices for
+                                                       its backward, o_proj in sequence slices (eager's
+                                                       core keeps no output, only o_proj does)
+        SwiGLU MLP       4 a n f
+    "selective" recomputation drops the two core lines, "full" keeps a n h, the layer input.
+    At cp=1 this is the plain model's formula (for "ring"/"zigzag" with attention="sdpa").
+    """
+    from picotron.memory import attention_core_bytes, rms_norm_bytes   # memory imports the trainer: import late
+    check_context_parallel(config, cp, mode)
+    a, h, d = dtype_bytes, config.hidden_size, config.head_dim
+    tokens = batch * (seq // cp)
+    if config.recompute == "full":
+        return a * tokens * h
+    norms = 2 * rms_norm_bytes(tokens, h, a)
+    attention = a * tokens * (2 * config.num_attention_heads * d + 2 * config.num_key_value_heads * d)
+    mlp = 4 * a * tokens * config.intermediate_size
+    if config.recompute == "none":
+        if mode == "ulysses":
+            attention += attention_core_bytes(config, batch, seq, a) // cp
+            if cp > 1 and config.attention == "sdpa":
+                attention += a * tokens * config.num_attention_heads * d
+        else:
+            attention += 4 * batch * config.num_attention_heads * (seq // cp)
+    return norms + attention + mlp

@@ -1,0 +1,369 @@
+"""Expert parallelism: the experts of a mixture-of-experts layer split over ranks, tokens sent to them.
+
+A mixture of experts (MoE) replaces a layer's one MLP by E expert MLPs and a router that sends
+each token to its top k of them (Shazeer et al. 2017, "Outrageously Large Neural Networks",
+arXiv:1701.06538). Parameters grow E times, compute per token only k times: picotron.model.MoE,
+with the router, the capacity and the load-balancing loss of GShard (Lepikhin et al. 2020,
+arXiv:2006.16668) and Switch Transformer (Fedus et al. 2021, arXiv:2101.03961).
+
+Expert parallelism (GShard; Playbook, "Expert parallelism") gives each of the ep ranks E/ep whole
+experts. The router and everything else in the model stay replicated, and each rank routes its
+own tokens; then, in every MoE layer:
+
+    permute   sort this rank's (token, expert) slots by expert, hence by the rank owning it
+    counts    all-to-all of the slot counts: each rank learns how many rows it will receive
+    dispatch  all-to-all of the slots, uneven splits: rank r gets every rank's slots for its experts
+    compute   regroup the received rows by local expert, run each expert on its rows
+    combine   the reverse all-to-all brings the outputs home; sum them weighted by the gates
+
+Both all-to-alls sit in an autograd Function whose backward is the reverse all-to-all, so the
+gradients travel back the same way and every expert's weight gradient covers the tokens of all
+ep ranks.
+
+Cost per MoE layer and rank (T tokens on the rank, k = top_k, h hidden, a bytes per element,
+E experts, dropless):
+
+    communication  dispatch and combine each move the rank's T k rows forward, and again in
+                   backward: payload 4 T k h a averaged over the ep ranks (`ep_comm_bytes`;
+                   `ep_comm_per_layer` gives the exact counted bytes from the actual splits),
+                   of which (ep-1)/ep leaves the rank when the load is balanced. Plus the
+                   counts (8 E bytes) and the load all-reduce for the balancing loss (8 E bytes).
+                   The splits follow the router: a popular expert's rank receives more, and
+                   every rank waits for the slowest; the balancing loss (or a capacity) keeps
+                   that in check. Two all-to-alls per layer and pass on the critical path:
+                   EP wants fast all-to-all links (inside a node, or a good network).
+    memory         expert weights, gradients and optimizer state divided by ep: for a large E
+                   that is most of the model. Activations: the experts' grow with the rows
+                   received, T k per rank when balanced, more on a popular expert's rank.
+
+How data parallelism composes with it. EP carves its groups out of the data-parallel ranks
+(DESIGN.md: "out of dp (or dp x cp)"): with dp = 4, ep = 2 the dp ranks {0, 1} and {2, 3} are
+two ep groups, and {0, 2}, {1, 3} hold the same experts (the expert-dp groups, dp/ep replicas;
+times cp when cp > 1). After backward (`average_gradients`):
+
+    non-expert parameters  the gradient of this rank's tokens: average over all dp (x cp) ranks
+    expert parameters      already the sum over the ep group's tokens (the all-to-all's backward
+                           brought them): sum over the expert-dp replicas, divide by dp (x cp)
+
+so every parameter's gradient is that of the mean loss over the global batch, as on one process.
+The load statistics of the balancing loss are all-reduced over the same dp (x cp) ranks, so the
+loss too is one process's on the global batch.
+
+How to use it (every rank builds the same model first, e.g. same seed, and feeds its own tokens):
+
+    model = Llama(config)                                   # config.num_experts > 0
+    groups = expert_parallel_groups(mesh, ep=2)             # from mesh's dp (x cp) ranks
+    apply_expert_parallel(model, groups, counter=mesh.counter)   # keeps this rank's experts
+    loss = loss_fn(model(input_ids), targets) + model.aux_loss()
+    loss.backward()
+    average_gradients(model, groups, counter=mesh.counter)
+    loads = [moe.last_load for moe in model.moe_layers()]  # tokens per expert this step, whole batch
+
+Capacity (moe_capacity_factor) is decided by each rank on its own tokens, before dispatch
+(GShard's groups): an expert takes at most capacity slots from each rank. So EP drops exactly
+what one process would drop on that rank's tokens, not what it would drop on the global batch.
+
+EP computes what one process computes, up to the order of floating-point sums. Routing is
+discontinuous, though: a token whose k-th and (k+1)-th expert scores nearly tie can pick another
+expert once those tiny differences have grown through a few optimizer steps, and from then on
+the runs differ by more than rounding. tests/test_expert_parallel.py measures how rare that is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from picotron import comm
+from picotron.comm import CommCounter
+from picotron.config import ModelConfig
+from picotron.mesh import Mesh
+from picotron.model import MoE, Routing, combine, load_balancing_loss, route, run_experts
+
+__all__ = ["ExpertParallelGroups", "expert_parallel_groups", "check_expert_parallel", "all_to_all",
+           "ExpertParallelMoE", "apply_expert_parallel", "average_gradients",
+           "ep_comm_per_layer", "ep_comm_bytes"]
+
+
+# ---- which ranks talk to which -------------------------------------------------------------------
+@dataclass
+class ExpertParallelGroups:
+    """The process groups expert parallelism needs, as seen from this rank.
+
+    ep_group         the ranks that split the experts between them (rank i holds block i)
+    expert_dp_group  the ranks holding the same experts as this one (None: no replica)
+    data_group       every rank whose tokens form the global batch (dp, or dp x cp): the
+                     non-expert gradients and the load statistics are averaged over it
+    """
+
+    ep_group: dist.ProcessGroup
+    expert_dp_group: dist.ProcessGroup | None
+    data_group: dist.ProcessGroup
+
+    @property
+    def ep(self) -> int:
+        return dist.get_world_size(self.ep_group)
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.ep_group)
+
+    @property
+    def data_size(self) -> int:
+        return dist.get_world_size(self.data_group)
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup | None = None) -> "ExpertParallelGroups":
+        """Plain EP over `group` (default: the world): its ranks are all the data, no expert replicas."""
+        group = group if group is not None else dist.group.WORLD
+        return cls(ep_group=group, expert_dp_group=None, data_group=group)
+
+
+def expert_parallel_groups(mesh: Mesh, ep: int | None = None) -> ExpertParallelGroups:
+    """Carve ep groups out of the mesh's dp axis: consecutive blocks of ep dp ranks (default ep = dp).
+
+    dp rank d is rank d % ep of the ep group number d // ep; the ranks with the same d % ep (and any
+    cp rank) hold the same experts: that is the expert-dp group. mesh.py is unchanged: the groups
+    are made here, every rank creating every group in the same order, as torch requires.
+    """
+    dp = mesh.dp_size
+    ep = dp if ep is None else ep
+    if ep < 1 or dp % ep:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ValueError(f"ep={ep} does not divide dp={dp}: expert parallelism splits the dp ranks into groups "
+                         f"of ep; choose ep among {divisors}")
+    others = [range(mesh.sizes[axis]) for axis in ("pp", "tp")]
+    ep_group = expert_dp_group = None
+    for pp, tp in itertools.product(*others):
+        for cp, block in itertools.product(range(mesh.cp_size), range(dp // ep)):   # ep groups
+            ranks = [mesh.rank_of(pp=pp, tp=tp, cp=cp, dp=block * ep + i) for i in range(ep)]
+            group = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                ep_group = group
+        for i in range(ep):                                                       # expert-dp groups
+            ranks = sorted(mesh.rank_of(pp=pp, tp=tp, cp=cp, dp=block * ep + i)
+                           for cp, block in itertools.product(range(mesh.cp_size), range(dp // ep)))
+            group = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                expert_dp_group = group
+    replicas = (dp // ep) * mesh.cp_size
+    return ExpertParallelGroups(ep_group=ep_group, expert_dp_group=expert_dp_group if replicas > 1 else None,
+                                data_group=mesh.dp_cp_group)
+
+
+def check_expert_parallel(config: ModelConfig, ep: int) -> None:
+    """Raise ValueError if the model has no experts, or they cannot be split evenly over ep ranks."""
+    if config.num_experts == 0:
+        raise ValueError("expert parallelism needs a mixture-of-experts model; set ModelConfig.num_experts > 0")
+    _check_experts_divide(config.num_experts, ep)
+
+
+def _check_experts_divide(num_experts: int, ep: int) -> None:
+    if num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(f"ep={ep} does not divide num_experts={num_experts}: each ep rank holds the same "
+                         f"number of whole experts; choose ep among {divisors} or change num_experts")
+
+
+# ---- the all-to-all, differentiable -------------------------------------------------------------
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+                counter: CommCounter | None) -> torch.Tensor:
+    """Rows input_splits[j] of `x` go to rank j; output_splits[j] rows come from rank j, in rank order."""
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    comm.all_to_all(out, x, output_splits, input_splits, group=group, counter=counter)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """All-to-all forward; the reverse all-to-all (splits swapped) backward.
+
+    Row i sent to rank j arrives there as some row i'; the gradient of i' is exactly what row i's
+    gradient is, and it lies on rank j: sending it back the way it came is the whole backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, counter):
+        ctx.splits, ctx.group, ctx.counter = (output_splits, input_splits), group, counter
+        return _all_to_all(x, output_splits, input_splits, group, counter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group, ctx.counter), None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+               counter: CommCounter | None = None) -> torch.Tensor:
+    """Differentiable all-to-all of rows with uneven splits: (sum input_splits, ...) -> (sum output_splits, ...)."""
+    return AllToAll.apply(x, output_splits, input_splits, group, counter)
+
+
+def _by_local_expert(received_counts: torch.Tensor) -> torch.Tensor:
+    """The order that regroups received rows from (source rank, local expert) to (local expert, source rank).
+
+    received_counts: (ep, local experts), rows received from rank s for local expert j. The rows
+    arrive rank by rank, each rank's grouped by expert; the experts want their rows together.
+    """
+    ep, local = received_counts.shape
+    block = torch.arange(ep * local, device=received_counts.device).repeat_interleave(received_counts.flatten())
+    source, expert = block // local, block % local                  # (received rows,) each
+    return (expert * ep + source).argsort(stable=True)               # stable: keeps each block's row order
+
+
+# ---- the expert-parallel MoE layer ---------------------------------------------------------------
+class ExpertParallelMoE(nn.Module):
+    """picotron.model.MoE with only this rank's E/ep experts; tokens reach the others by all-to-all.
+
+    Built from the full MoE (identical on every rank). Parameter names stay the plain model's
+    (experts.5.up_proj.weight is expert 5 wherever it lives), and expert weights carry
+    `expert_parallel = True` for `average_gradients`. Records aux_loss, last_load (over the data
+    group) and last_dropped (this rank's tokens) like MoE, and last_splits = (sent, received)
+    rows per ep rank for the communication formulas.
+    """
+
+    def __init__(self, moe: MoE, groups: ExpertParallelGroups, counter: CommCounter | None = None):
+        super().__init__()
+        self.groups, self.counter = groups, counter
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.capacity_factor, self.aux_loss_coef = moe.capacity_factor, moe.aux_loss_coef
+        ep, ep_rank = groups.ep, groups.ep_rank
+        _check_experts_divide(self.num_experts, ep)
+        self.num_local = self.num_experts // ep
+        self.first_expert = ep_rank * self.num_local
+        self.router = moe.router
+        local = range(self.first_expert, self.first_expert + self.num_local)
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in local})   # the plain model's names
+        for param in self.experts.parameters():
+            param.expert_parallel = True
+        self.aux_loss: torch.Tensor | None = None
+        self.last_load: torch.Tensor | None = None
+        self.last_dropped = 0
+        self.last_splits: tuple[list[int], list[int]] = ([], [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])                              # (tokens, hidden): this rank's
+        routing = route(self.router, tokens, self.top_k, self.capacity_factor)
+        self.record(routing)
+        slots = tokens[routing.token]                                    # (kept slots, hidden), by expert, so by owner
+        outputs = self.exchange(slots, routing.counts)                   # (kept slots, hidden)
+        return combine(outputs, routing, tokens.shape[0]).view(x.shape)
+
+    def record(self, routing: Routing) -> None:
+        """Balancing loss with the load of the whole batch, as one process computes it on that batch.
+
+        f_i counts every data rank's slots (an all-reduce of E numbers); P_i stays this rank's
+        mean: the mean over ranks of E sum_i f_i P_i(rank) is then the loss of the global batch,
+        and averaging the gradients over the data ranks gives its gradient.
+        """
+        load = routing.load.clone()
+        if self.groups.data_size > 1:
+            comm.all_reduce(load, group=self.groups.data_group, counter=self.counter)   # (experts,)
+        self.aux_loss = self.aux_loss_coef * load_balancing_loss(load, routing.mean_probs)
+        self.last_load, self.last_dropped = load, routing.dropped
+
+    def exchange(self, slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Send the slots to their experts' ranks, run the local experts, bring the outputs back."""
+        ep, group = self.groups.ep, self.groups.ep_group
+        received_counts = torch.empty_like(counts)                      # (experts,) = (ep * local,)
+        comm.all_to_all(received_counts, counts, group=group, counter=self.counter)
+        received_counts = received_counts.view(ep, self.num_local)      # [s, j]: from rank s for my expert j
+        # The splits must be Python ints: on a GPU, .tolist() waits for the counts (a host sync per layer).
+        sent = counts.view(ep, self.num_local).sum(dim=1).tolist()      # rows to each rank
+        received = received_counts.sum(dim=1).tolist()                  # rows from each rank
+        self.last_splits = (sent, received)
+        rows = all_to_all(slots, received, sent, group, self.counter)   # (received rows, hidden), by source rank
+        order = _by_local_expert(received_counts)
+        per_expert = received_counts.sum(dim=0).tolist()                # rows for each local expert
+        outputs = run_experts(self.experts.values(), rows[order], per_expert)   # (received rows, hidden), by expert
+        outputs = outputs[order.argsort()]                              # back to (source rank, expert) order
+        return all_to_all(outputs, sent, received, group, self.counter)  # (kept slots, hidden), as sent
+
+
+def _as_groups(where) -> ExpertParallelGroups:
+    if isinstance(where, ExpertParallelGroups):
+        return where
+    if isinstance(where, Mesh):
+        return expert_parallel_groups(where)
+    return ExpertParallelGroups.from_group(where)
+
+
+def apply_expert_parallel(model: nn.Module, where, *, counter: CommCounter | None = None) -> nn.Module:
+    """Split every MoE layer of a plain model over the ep ranks, in place; it computes what it did.
+
+    `where`: ExpertParallelGroups (from `expert_parallel_groups`), a Mesh (ep = its whole dp axis),
+    or a process group (plain EP over it, no data-parallel replicas). The model must be identical on
+    every rank (same seed, or broadcast first); each rank keeps its E/ep experts and frees the rest.
+    counter: mesh.counter by default when a Mesh is given.
+    """
+    groups = _as_groups(where)
+    if counter is None and isinstance(where, Mesh):
+        counter = where.counter
+    check_expert_parallel(model.config, groups.ep)
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp = ExpertParallelMoE(layer.mlp, groups, counter)
+    return model
+
+
+def average_gradients(model: nn.Module, groups: ExpertParallelGroups, *, counter: CommCounter | None = None) -> None:
+    """Make every gradient that of the mean loss over the global batch (after backward).
+
+    Non-expert parameters: average over the data ranks (plain data parallelism). Expert
+    parameters: the all-to-all's backward already summed their gradient over the ep group's
+    tokens; sum it over the expert-dp replicas and divide by the number of data ranks. One flat
+    all-reduce each.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+    experts = [p for p in params if getattr(p, "expert_parallel", False)]
+    _sum_flat([p.grad for p in dense], groups.data_group, counter)
+    _sum_flat([p.grad for p in experts], groups.expert_dp_group, counter)
+    for p in params:
+        p.grad.div_(groups.data_size)                                   # sum over the global batch -> mean
+
+
+def _sum_flat(grads: list[torch.Tensor], group, counter: CommCounter | None) -> None:
+    if not grads or group is None or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])                   # (total numel,)
+    comm.all_reduce(flat, group=group, counter=counter)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# ---- cost formulas -------------------------------------------------------------------------------
+def ep_comm_per_layer(sent: int, received: int, hidden: int, num_experts: int, data_size: int,
+                      dtype_bytes: int = 4) -> dict[str, dict[str, tuple[int, int]]]:
+    """What one ExpertParallelMoE layer hands to the collectives on a rank, as CommCounter counts it.
+
+    sent / received: rows this rank dispatched / received (sum of layer.last_splits[0] / [1]).
+    {"forward": {op: (calls, payload bytes)}, "backward": {...}}. Payload = the whole input of
+    each all-to-all, the rank's own rows included:
+
+        forward   all-to-all of the counts (E int64), dispatch (sent rows), combine (received rows);
+                  all-reduce of the load (E int64) over the data_size data ranks (when more than one)
+        backward  the reverse of combine (sent rows) and of dispatch (received rows)
+    """
+    rows = (sent + received) * hidden * dtype_bytes
+    forward = {"all_to_all": (3, 8 * num_experts + rows)}
+    if data_size > 1:
+        forward["all_reduce"] = (1, 8 * num_experts)
+    return {"forward": dict(sorted(forward.items())), "backward": {"all_to_all": (2, rows)}}
+
+
+def ep_comm_bytes(tokens: int, hidden: int, top_k: int, ep: int, dtype_bytes: int = 4) -> int:
+    """Payload bytes of the token all-to-alls of one MoE layer, forward and backward, averaged over the ep ranks.
+
+    Dropless: a rank sends its T k slots (T tokens, k = top_k) in dispatch and gets back as many in
+    combine; the rows it receives vary with the routing, but every row sent is received, so over
+    the ep ranks they average T k. Four all-to-alls of T k h a bytes (h hidden, a bytes per
+    element): 4 T k h a. With a balanced load (ep-1)/ep of it leaves the rank; ep = 1 sends nothing.
+    """
+    return 0 if ep == 1 else 4 * tokens * top_k * hidden * dtype_bytes
