@@ -154,6 +154,11 @@ class ParallelConfig:
     (picotron/parallel/context_parallel.py): "ring" passes key/value blocks around a ring of
     contiguous slices, "zigzag" does the same with each rank holding an early and a late chunk
     (balanced causal work), "ulysses" swaps the split to the heads with all-to-alls.
+
+    pp_schedule: the order in which the pp stages run the step's micro-batches (its
+    grad_accum_steps micro-batches; picotron/parallel/pipeline_parallel.py): "naive" (one
+    micro-batch), "afab" (all forward, all backward: GPipe), "1f1b", "interleaved" (each rank
+    holds pp_virtual_stages chunks of layers) or "zb-h1" (zero bubble).
     """
 
     dp: int = 1
@@ -163,6 +168,8 @@ class ParallelConfig:
     zero_stage: int = 0
     sequence_parallel: bool = False       # with tp > 1: norms and residuals split along the sequence (SP)
     cp_mode: str = "zigzag"               # with cp > 1: "ring", "zigzag" (ring, balanced layout) or "ulysses"
+    pp_schedule: str = "1f1b"             # with pp > 1: "naive", "afab", "1f1b", "interleaved" or "zb-h1"
+    pp_virtual_stages: int = 1            # chunks of layers per pp rank, for pp_schedule="interleaved"
 
     @property
     def world_size(self) -> int:
@@ -236,6 +243,24 @@ def _build(kind: type, values: dict) -> Any:
 
 ZERO_STAGES = (0, 1, 2, 3)
 CP_MODES = ("ring", "zigzag", "ulysses")
+PP_SCHEDULES = ("naive", "afab", "1f1b", "interleaved", "zb-h1")
+
+
+def check_pipeline(model: ModelConfig, pp: int, schedule: str, virtual_stages: int, num_microbatches: int) -> None:
+    """Raise ValueError naming the fix if `schedule` cannot run pp stages over num_microbatches micro-batches."""
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"pp_schedule={schedule!r} is not a pipeline schedule; choose one of {PP_SCHEDULES}")
+    if virtual_stages < 1 or (virtual_stages > 1 and schedule != "interleaved"):
+        raise ValueError(f"pp_virtual_stages={virtual_stages}: use 1, or more with pp_schedule='interleaved'")
+    if pp * virtual_stages > model.num_layers:
+        raise ValueError(f"pp={pp} x pp_virtual_stages={virtual_stages} stages need at least as many layers, but "
+                         f"num_layers={model.num_layers}: a stage needs at least one layer")
+    if pp > 1 and schedule == "naive" and num_microbatches != 1:
+        raise ValueError(f"pp_schedule='naive' runs one batch per step, but grad_accum_steps={num_microbatches}; "
+                         f"set grad_accum_steps=1 or choose 'afab', '1f1b', 'interleaved' or 'zb-h1'")
+    if pp > 1 and schedule == "interleaved" and num_microbatches % pp:
+        raise ValueError(f"the interleaved schedule sends micro-batches round in groups of pp={pp}, but "
+                         f"grad_accum_steps={num_microbatches} micro-batches do not divide by it; choose a multiple")
 
 
 def check_context_parallel(model: ModelConfig, cp: int, mode: str, seq_len: int | None = None, tp: int = 1) -> None:
@@ -290,6 +315,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
                          f"{p.tp * p.cp}")
     if p.pp > m.num_layers:
         raise ValueError(f"pp={p.pp} is larger than num_layers={m.num_layers}: a stage needs at least one layer")
+    check_pipeline(m, p.pp, p.pp_schedule, p.pp_virtual_stages, t.grad_accum_steps)
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"seq_len={t.seq_len} is longer than max_seq_len={m.max_seq_len}; raise max_seq_len")
     check_context_parallel(m, p.cp, p.cp_mode, t.seq_len, p.tp)

@@ -6,6 +6,7 @@
     python -m picotron.train --dp 2 --tp 2 --sp        # tensor + sequence parallelism inside each dp replica
     python -m picotron.train --dp 2 --cp 2             # context parallelism: each rank holds half of every sequence
     python -m picotron.train --dp 1 --cp 2 --tp 2 --sp # context and tensor parallelism together, 4 ranks
+    python -m picotron.train --dp 2 --pp 2 --grad-accum-steps 4   # 2 pipeline stages, 4 micro-batches (1F1B)
     python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
@@ -20,14 +21,15 @@ model FLOPs utilisation (MFU):
 The peak is the spec-sheet dense bf16 figure on a known GPU (H100 SXM: 989 TFLOP/s), and on
 a CPU a measured fp32 matmul peak of this rank, labelled as such.
 
-So far the trainer runs three axes. Data parallelism: bucketed all-reduces overlapped with
+So far the trainer runs four axes. Data parallelism: bucketed all-reduces overlapped with
 backward (chapter 02), or with --zero 1|2|3 the dp ranks split the optimizer state,
 gradients and parameters between them (ZeRO, chapter 03). Tensor parallelism: --tp 2 splits
 every weight matrix and the vocabulary over 2 ranks, --sp adds sequence parallelism
 (chapter 04). Context parallelism: --cp 2 gives each rank half of every sequence, and
 --cp-mode ring|zigzag|ulysses picks how attention sees the other half (chapter 05); the
 gradients then average over the dp x cp ranks. dp x cp x tp ranks in all. Pipeline
-parallelism joins when its chapter lands.
+parallelism, with data parallelism only so far: --pp 2 splits the layers into 2 stages that
+run the step's --grad-accum-steps micro-batches in the order of --pp-schedule (chapter 06).
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from picotron import launch
-from picotron.config import CP_MODES, Config, ModelConfig, ParallelConfig, validate
+from picotron.config import CP_MODES, PP_SCHEDULES, Config, ModelConfig, ParallelConfig, validate
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel import context_parallel as cp
+from picotron.parallel import pipeline_parallel as pp
 from picotron.parallel import tensor_parallel as tp
-from picotron.parallel.data_parallel import DataParallel
+from picotron.parallel.data_parallel import DataParallel, all_reduce_gradients
 from picotron.parallel.zero import Zero3, ZeroOptimizer
 
 # Dense bf16 tensor-core peaks from the vendors' spec sheets (without sparsity), FLOP/s.
@@ -118,9 +121,10 @@ class Trainer:
 
     def __init__(self, config: Config, mesh: Mesh | None = None):
         p = config.parallel
-        if p.pp > 1:
-            raise NotImplementedError(f"the trainer runs data, tensor and context parallelism so far (got pp={p.pp}); "
-                                      f"use dp, tp and cp, or the chapters' notebooks for pipeline parallelism")
+        if p.pp > 1 and (p.tp > 1 or p.cp > 1 or p.zero_stage or config.model.num_experts):
+            raise NotImplementedError(f"pp={p.pp} combines with data parallelism only in the trainer so far (got "
+                                      f"tp={p.tp}, cp={p.cp}, zero_stage={p.zero_stage}, num_experts="
+                                      f"{config.model.num_experts}); use pp with dp, or the other axes without pp")
         if p.tp > 1 and p.zero_stage:
             raise NotImplementedError(f"zero_stage={p.zero_stage} with tp={p.tp} is not supported yet: ZeRO's flat "
                                       f"buffers do not know which weights are tensor-parallel shards; use one of them")
@@ -136,6 +140,11 @@ class Trainer:
         if mesh and p.cp > 1:  # chapter 05: each cp rank holds a slice of every sequence; attention gathers the rest
             cp.apply_context_parallel(self.model, mesh, mode=p.cp_mode, counter=mesh.counter)
         t = config.train
+        self.stages = None
+        if mesh and p.pp > 1:  # chapter 06: this rank runs its stages' layers; the step's micro-batches flow through
+            self._init_pipeline(make_optimizer=lambda params: torch.optim.AdamW(
+                params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay))
+            return
 
         def make_optimizer(params):
             return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
@@ -157,9 +166,66 @@ class Trainer:
         self.loader = make_loader(config.train, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
                                   cp_rank=mesh.cp_rank if mesh else 0, cp_size=p.cp, zigzag=p.cp_mode == "zigzag")
 
+    def _init_pipeline(self, make_optimizer) -> None:
+        """Pipeline parallelism: keep this rank's stages, a schedule for the step's micro-batches, a loader.
+
+        Every rank built the same model (same seed), so the dp replicas start equal without a
+        broadcast; the parameters of the layers other stages own are simply never trained here.
+        """
+        p, t, mesh = self.config.parallel, self.config.train, self.mesh
+        self.stages = pp.build_stages(self.model, mesh.pp_rank, mesh.pp_size, virtual_stages=p.pp_virtual_stages)
+        self.schedule = pp.make_schedule(p.pp_schedule, mesh.pp_size, t.grad_accum_steps, p.pp_virtual_stages)
+        self.dp = self.zero = None
+        self.optimizer = make_optimizer(pp.stage_parameters(self.stages))
+        self.loader = make_loader(t, dp_rank=mesh.dp_rank, dp_size=p.dp)
+
+    def _pipeline_step(self, step: int) -> tuple[torch.Tensor, float, list]:
+        """One step of the pipeline schedule; returns the global batch's loss, the gradient norm, sample ids.
+
+        The grad_accum_steps micro-batches are the pipeline's m. Gradients are complete on this rank
+        after the schedule; then the tied embedding's two copies (first and last stage) add their
+        gradients, and the dp replicas average theirs: once per step, after the last micro-batch.
+        """
+        t, mesh = self.config.train, self.mesh
+        batches = [self.loader.get_batch(step, micro).to(self.device) for micro in range(t.grad_accum_steps)]
+        result = pp.run_schedule(self.schedule, self.stages, mesh, [b.input_ids for b in batches],
+                                 [b.targets for b in batches], self.loss_fn,
+                                 activation_shape=(t.micro_batch_size, t.seq_len, self.config.model.hidden_size),
+                                 counter=mesh.counter)
+        pp.sync_tied_embeddings(self.stages, mesh, counter=mesh.counter)
+        stages = torch.nn.ModuleList(self.stages)
+        if mesh.dp_size > 1:
+            all_reduce_gradients(stages, mesh.dp_group, counter=mesh.counter)
+        # Only the last stage's rank knows the loss: a sum over the pp group with zeros elsewhere
+        # shares it (for the log only: not counted), then the mean over the dp replicas.
+        loss = result.loss.detach().clone() if result.loss is not None else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=mesh.pp_group)
+        dist.all_reduce(loss, group=mesh.dp_group)
+        grad_norm = self._clip_pipeline_grads(stages, t.grad_clip or math.inf)
+        return loss / mesh.dp_size, grad_norm, [i for b in batches for i in b.sample_ids.tolist()]
+
+    def _clip_pipeline_grads(self, stages: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """clip_grad_norm_ over the whole model: each pp rank adds its stages' squared norms. The tied
+        matrix has a copy on the first and on the last stage with the same gradient: counted once."""
+        skip = {id(stage.lm_head.weight) for stage in self.stages if stage.is_last and stage.tied}
+        skip -= {id(stage.embed.weight) for stage in self.stages if stage.is_first}  # both ends here: not a copy
+        grads = [q.grad for q in stages.parameters() if q.grad is not None and id(q) not in skip]
+        squares = sum((g.float().square().sum() for g in grads), torch.zeros((), device=self.device))
+        dist.all_reduce(squares, group=self.mesh.pp_group)
+        norm = squares.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)   # torch's rule: never scale up
+        for q in stages.parameters():
+            if q.grad is not None:
+                q.grad.mul_(scale)
+        return norm
+
     def train_step(self, step: int) -> StepResult:
         """Forward and backward over the micro-batches, average gradients over dp x cp, one AdamW step."""
         t, start = self.config.train, time.perf_counter()
+        if self.stages is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, grad_norm, sample_ids = self._pipeline_step(step)
+            return self._optimizer_step(step, loss, grad_norm, sample_ids, start)
         if self.zero:
             self.zero.zero_grad()          # ZeRO keeps its gradients in flat buffers: zeroed in place
         else:
@@ -189,13 +255,16 @@ class Trainer:
             grad_norm = tp.clip_grad_norm_(self.model, t.grad_clip or math.inf, self.mesh.tp_group)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
+        return self._optimizer_step(step, local_loss, grad_norm, sample_ids, start)
+
+    def _optimizer_step(self, step: int, loss, grad_norm, sample_ids: list, start: float) -> StepResult:
         lr = lr_at(step, self.config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(step, float(local_loss), lr, float(grad_norm), time.perf_counter() - start, sample_ids)
+        return StepResult(step, float(loss), lr, float(grad_norm), time.perf_counter() - start, sample_ids)
 
     @torch.no_grad()
     def accuracy(self, num_problems: int = 128) -> dict:
@@ -203,8 +272,24 @@ class Trainer:
         if self.config.train.dataset != "arithmetic":
             return {}
         problems = arithmetic_eval_problems(num_problems, seed=self.config.train.seed + 1)
+        if self.stages is not None:
+            self._gather_pipeline_weights()
         return {"exact": arithmetic_accuracy(self.full_logits, problems, device=self.device),
                 "digits": arithmetic_digit_accuracy(self.full_logits, problems, device=self.device)}
+
+    def _gather_pipeline_weights(self) -> None:
+        """Give every pp rank the trained weights of every stage (each broadcast from its owner), so
+        each can evaluate the whole model by itself. Evaluation only: the ranks still train their own."""
+        p, mesh = self.config.parallel, self.mesh
+        num_stages = mesh.pp_size * p.pp_virtual_stages
+        for s, layers in enumerate(pp.stage_layers(self.config.model.num_layers, num_stages)):
+            modules = [self.model.layers[i] for i in layers]
+            modules += [self.model.embed] if s == 0 else []
+            modules += [self.model.norm, self.model.lm_head] if s == num_stages - 1 else []
+            owner = mesh.rank_of(pp=s % mesh.pp_size)
+            for module in modules:
+                for tensor in module.parameters():
+                    dist.broadcast(tensor.data, src=owner, group=mesh.pp_group)
 
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(batch, seq) -> (batch, seq, vocab) logits on every rank, for evaluation.
@@ -243,6 +328,7 @@ def train(config: Config, *, progress: bool = True) -> dict:
         p = config.parallel
         zero = f" ZeRO-{p.zero_stage}" if p.zero_stage and mesh else ""
         tp_text = f" tp={p.tp}{' +SP' if p.sequence_parallel else ''}" if p.tp > 1 else ""
+        tp_text += f" pp={p.pp} ({p.pp_schedule})" if p.pp > 1 else ""
         cp_text = f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
         print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
               f"dp={p.dp}{zero}{tp_text}{cp_text}, {tokens_per_step} tokens per step; MFU against {peak_source} "
@@ -286,6 +372,11 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--cp-mode", dest="cp_mode", choices=list(CP_MODES),
                         help="with --cp (chapter 05): ring attention over contiguous slices, zig-zag ring "
                              "(balanced causal work; the default) or Ulysses all-to-alls over the heads")
+    parser.add_argument("--pp-schedule", dest="pp_schedule", choices=list(PP_SCHEDULES),
+                        help="with --pp (chapter 06): the order the stages run the step's --grad-accum-steps "
+                             "micro-batches in (default 1f1b)")
+    parser.add_argument("--virtual-stages", dest="pp_virtual_stages", type=int,
+                        help="chunks of layers per pp rank, with --pp-schedule interleaved")
     parser.add_argument("--zero", dest="zero_stage", type=int, choices=[0, 1, 2, 3],
                         help="ZeRO stage (chapter 03): the dp ranks split 1 the optimizer state, 2 and the "
                              "gradients, 3 and the parameters; 0 is plain data parallelism (with dp=1 there is "
@@ -303,7 +394,8 @@ def parse_args(argv: list[str] | None) -> Config:
     for name in ("recompute", "attention"):
         if getattr(args, name) is not None:
             config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
-    for axis in ("dp", "pp", "cp", "tp", "zero_stage", "sequence_parallel", "cp_mode"):
+    for axis in ("dp", "pp", "cp", "tp", "zero_stage", "sequence_parallel", "cp_mode", "pp_schedule",
+                 "pp_virtual_stages"):
         if getattr(args, axis) is not None:
             setattr(config.parallel, axis, getattr(args, axis))
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(config.train)

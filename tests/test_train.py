@@ -71,9 +71,10 @@ def record_losses(config: Config, steps: int) -> dict:
     """Train `steps` steps; return the losses, gradient norms, the whole weights at the end (ZeRO-3 and
     tensor parallelism gather them) and the held-out digit accuracy."""
     p = config.parallel
-    mesh = Mesh(dp=p.dp, cp=p.cp, tp=p.tp) if dist.is_initialized() else None
+    mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp) if dist.is_initialized() else None
     trainer = Trainer(config, mesh)
     results = [trainer.train_step(step) for step in range(steps)]
+    digits = trainer.accuracy(16)["digits"]   # under pp this first gives every rank every stage's weights
     if trainer.zero:
         weights = trainer.zero.gather_parameters()
     elif mesh and mesh.tp_size > 1:
@@ -81,7 +82,30 @@ def record_losses(config: Config, steps: int) -> dict:
     else:
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return {"loss": [r.loss for r in results], "grad_norm": [r.grad_norm for r in results], "weights": weights,
-            "kind": type(trainer.zero or trainer.dp).__name__, "digits": trainer.accuracy(16)["digits"]}
+            "kind": type(trainer.zero or trainer.dp).__name__, "digits": digits}
+
+
+@pytest.mark.parametrize("dp, pp, schedule, accum, virtual", [
+    (2, 2, "1f1b", 4, 1), (1, 4, "zb-h1", 4, 1), (1, 2, "interleaved", 4, 2), (2, 2, "afab", 2, 1)])
+def test_pipeline_parallel_equals_one_process(dp, pp, schedule, accum, virtual):
+    """dp x pp ranks, the step's micro-batches run by the schedule: loss, clipped gradient norm (the tied
+    embedding counted once) and weights equal one process's; evaluation gathers every stage's weights."""
+    steps, model = 5, dataclasses.replace(SMALL, num_layers=4)
+    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=2,
+                        grad_clip=0.5)
+    parallel = Config(model=model, parallel=ParallelConfig(dp=dp, pp=pp, pp_schedule=schedule,
+                                                           pp_virtual_stages=virtual), train=train)
+    single = Config(model=model, train=dataclasses.replace(train, micro_batch_size=2 * dp))
+    ranks = run(record_losses, dp * pp, args=(parallel, steps), timeout=120)
+    reference = record_losses(single, steps)
+    assert min(reference["grad_norm"]) > 0.5     # clipping was active: the norm over the stages matters
+    for rank in ranks:
+        for step in range(steps):
+            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
+        for name, weight in reference["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+        assert rank["digits"] == reference["digits"]
 
 
 @pytest.mark.parametrize("zero_stage, dp, accum", [(3, 4, 1), (2, 2, 2)])
@@ -210,6 +234,13 @@ def test_bad_configs_are_clear_errors(tmp_path):
         validate(parse_args(["--dp", "1", "--sp"]))
     with pytest.raises(ValueError, match="seq_len=31 does not divide by it"):
         validate(parse_args(["--dp", "1", "--tp", "2", "--sp", "--seq-len", "31"]))
+    with pytest.raises(ValueError, match="grad_accum_steps=3 micro-batches do not divide by it"):
+        validate(parse_args(["--dp", "1", "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+                             "--grad-accum-steps", "3"]))
+    with pytest.raises(ValueError, match="pp_virtual_stages=2: use 1, or more with pp_schedule='interleaved'"):
+        validate(parse_args(["--dp", "1", "--pp", "2", "--virtual-stages", "2"]))
+    with pytest.raises(NotImplementedError, match="pp=2 combines with data parallelism only"):
+        Trainer(parse_args(["--dp", "1", "--pp", "2", "--tp", "2"]))
     with pytest.raises(NotImplementedError, match="zero_stage=1 with tp=2 is not supported yet"):
         Trainer(parse_args(["--dp", "1", "--tp", "2", "--zero", "1"]))
     with pytest.raises(ValueError, match=r"cp_mode='striped' is not a context-parallel mode; choose one of "
