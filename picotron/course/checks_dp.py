@@ -254,8 +254,10 @@ def _tokens(step: int, micro: int, rank: int) -> torch.Tensor:
 
 
 def _model() -> Llama:
-    torch.manual_seed(0)
-    return Llama(CHECK_MODEL)
+    """The check's model, the same every time, without reseeding the caller's (the notebook's) RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Llama(CHECK_MODEL)
 
 
 def _flat_grads(model: nn.Module) -> torch.Tensor:
