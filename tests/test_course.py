@@ -58,6 +58,16 @@ def test_stale_exercises_are_detected(tmp_path):
     assert exercises.generate(tmp_path) == []  # deterministic: a second run writes nothing
 
 
+def test_generate_only_the_named_assignments(tmp_path):
+    shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
+    (tmp_path / "exercises").mkdir()
+    first, second = EXERCISE_NOTEBOOKS[0].stem, EXERCISE_NOTEBOOKS[1].stem
+    assert exercises.generate(tmp_path, only=[f"solutions/{first}.ipynb"]) == [tmp_path / "exercises" / f"{first}.ipynb"]
+    assert not (tmp_path / "exercises" / f"{second}.ipynb").exists()   # the others are left alone
+    with pytest.raises(ValueError, match="no solutions/<name>.ipynb for \\['99_nope'\\]"):
+        exercises.generate(tmp_path, only=["99_nope"])
+
+
 def test_strip_outputs(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)", id="a")])
     nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="1\n")]

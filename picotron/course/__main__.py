@@ -1,6 +1,7 @@
 """Course tooling from the command line.
 
     python -m picotron.course generate            # exercises/*.ipynb from solutions/*.ipynb
+    python -m picotron.course generate 03_zero    # only exercises/03_zero.ipynb
     python -m picotron.course check               # exit 1 when exercises/ is out of date
     python -m picotron.course strip NOTEBOOK...   # remove outputs (--check: only report, exit 1 if dirty)
     python -m picotron.course grade NOTEBOOK      # run a learner's notebook, print the score table
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("check", "exit 1 when exercises/ is not what `generate` would write")):
         command = commands.add_parser(name, help=text)
         command.add_argument("--root", default=".", help="repository root holding solutions/ (default: .)")
+    commands.choices["generate"].add_argument("notebooks", nargs="*",
+                                              help="only these assignments (e.g. 03_zero); default: all")
     strip = commands.add_parser("strip", help="remove outputs and execution counts from notebooks")
     strip.add_argument("notebooks", nargs="+")
     strip.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook has outputs")
@@ -31,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "generate":
-        changed = exercises.generate(args.root)
+        try:
+            changed = exercises.generate(args.root, only=args.notebooks or None)
+        except ValueError as e:
+            print(e)
+            return 2
         print("\n".join(f"wrote {path}" for path in changed) or "exercises/ is up to date")
         return 0
     if args.command == "check":

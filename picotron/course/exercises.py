@@ -218,11 +218,23 @@ def _exercise_text(solution: Path) -> str:
     return nbformat.writes(make_exercise(nb, solution.name)) + "\n"
 
 
-def generate(root: str | Path = ".") -> list[Path]:
-    """Write exercises/NN.ipynb for every solutions/NN.ipynb; return the files that changed."""
+def generate(root: str | Path = ".", only: list[str] | None = None) -> list[Path]:
+    """Write exercises/NN.ipynb for every solutions/NN.ipynb; return the files that changed.
+
+    only: notebook names (e.g. "03_zero" or "solutions/03_zero.ipynb") to generate, leaving the
+    others alone, for an author working on one assignment while others edit theirs.
+    """
     root, changed = Path(root), []
     (root / EXERCISES).mkdir(exist_ok=True)
-    for solution, exercise in _pairs(root):
+    pairs = _pairs(root)
+    if only is not None:
+        wanted = {Path(name).stem for name in only}
+        unknown = wanted - {solution.stem for solution, _ in pairs}
+        if unknown:
+            raise ValueError(f"no {SOLUTIONS}/<name>.ipynb for {sorted(unknown)}; the assignments are "
+                             f"{sorted(solution.stem for solution, _ in pairs)}")
+        pairs = [(solution, exercise) for solution, exercise in pairs if solution.stem in wanted]
+    for solution, exercise in pairs:
         text = _exercise_text(solution)
         if not exercise.exists() or exercise.read_text(encoding="utf-8") != text:
             exercise.write_text(text, encoding="utf-8")
