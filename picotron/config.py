@@ -170,6 +170,7 @@ class ParallelConfig:
     cp_mode: str = "zigzag"               # with cp > 1: "ring", "zigzag" (ring, balanced layout) or "ulysses"
     pp_schedule: str = "1f1b"             # with pp > 1: "naive", "afab", "1f1b", "interleaved" or "zb-h1"
     pp_virtual_stages: int = 1            # chunks of layers per pp rank, for pp_schedule="interleaved"
+    ep: int = 1                           # expert parallelism: groups of ep dp ranks split the experts (MoE)
 
     @property
     def world_size(self) -> int:
@@ -316,6 +317,12 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if p.pp > m.num_layers:
         raise ValueError(f"pp={p.pp} is larger than num_layers={m.num_layers}: a stage needs at least one layer")
     check_pipeline(m, p.pp, p.pp_schedule, p.pp_virtual_stages, t.grad_accum_steps)
+    if p.ep < 1 or p.dp % p.ep:
+        raise ValueError(f"ep={p.ep} does not divide dp={p.dp}: expert parallelism splits the dp ranks into groups "
+                         f"of ep; choose ep among {[d for d in range(1, p.dp + 1) if p.dp % d == 0]}")
+    if p.ep > 1 and (m.num_experts == 0 or m.num_experts % p.ep):
+        raise ValueError(f"ep={p.ep} needs a mixture-of-experts model whose num_experts={m.num_experts} it divides "
+                         f"(each ep rank holds as many whole experts); e.g. preset 'tiny-moe' has 8")
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"seq_len={t.seq_len} is longer than max_seq_len={m.max_seq_len}; raise max_seq_len")
     check_context_parallel(m, p.cp, p.cp_mode, t.seq_len, p.tp)

@@ -7,6 +7,7 @@
     python -m picotron.train --dp 2 --cp 2             # context parallelism: each rank holds half of every sequence
     python -m picotron.train --dp 1 --cp 2 --tp 2 --sp # context and tensor parallelism together, 4 ranks
     python -m picotron.train --dp 2 --pp 2 --grad-accum-steps 4   # 2 pipeline stages, 4 micro-batches (1F1B)
+    python -m picotron.train --preset tiny-moe --ep 4  # mixture of experts, 2 of 8 experts on each of 4 ranks
     python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
@@ -30,6 +31,8 @@ every weight matrix and the vocabulary over 2 ranks, --sp adds sequence parallel
 gradients then average over the dp x cp ranks. dp x cp x tp ranks in all. Pipeline
 parallelism, with data parallelism only so far: --pp 2 splits the layers into 2 stages that
 run the step's --grad-accum-steps micro-batches in the order of --pp-schedule (chapter 06).
+For a mixture-of-experts model (--preset tiny-moe), --ep 4 splits the experts over groups of 4
+dp ranks, tokens travelling to their experts by all-to-all (chapter 07).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithm
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel import context_parallel as cp
+from picotron.parallel import expert_parallel as ep
 from picotron.parallel import pipeline_parallel as pp
 from picotron.parallel import tensor_parallel as tp
 from picotron.parallel.data_parallel import DataParallel, all_reduce_gradients
@@ -125,6 +129,9 @@ class Trainer:
             raise NotImplementedError(f"pp={p.pp} combines with data parallelism only in the trainer so far (got "
                                       f"tp={p.tp}, cp={p.cp}, zero_stage={p.zero_stage}, num_experts="
                                       f"{config.model.num_experts}); use pp with dp, or the other axes without pp")
+        if p.ep > 1 and (p.tp > 1 or p.pp > 1 or p.zero_stage):
+            raise NotImplementedError(f"ep={p.ep} combines with dp and cp only in the trainer so far (got tp={p.tp}, "
+                                      f"pp={p.pp}, zero_stage={p.zero_stage}); use ep with dp (and cp)")
         if p.tp > 1 and p.zero_stage:
             raise NotImplementedError(f"zero_stage={p.zero_stage} with tp={p.tp} is not supported yet: ZeRO's flat "
                                       f"buffers do not know which weights are tensor-parallel shards; use one of them")
@@ -140,7 +147,10 @@ class Trainer:
         if mesh and p.cp > 1:  # chapter 05: each cp rank holds a slice of every sequence; attention gathers the rest
             cp.apply_context_parallel(self.model, mesh, mode=p.cp_mode, counter=mesh.counter)
         t = config.train
-        self.stages = None
+        self.stages = self.ep_groups = None
+        if mesh and p.ep > 1:  # chapter 07: each rank of an ep group keeps num_experts/ep experts; tokens travel
+            self.ep_groups = ep.expert_parallel_groups(mesh, p.ep)
+            ep.apply_expert_parallel(self.model, self.ep_groups, counter=mesh.counter)
         if mesh and p.pp > 1:  # chapter 06: this rank runs its stages' layers; the step's micro-batches flow through
             self._init_pipeline(make_optimizer=lambda params: torch.optim.AdamW(
                 params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay))
@@ -159,8 +169,10 @@ class Trainer:
         elif mesh and p.zero_stage:         # chapter 03: this rank's shard of the optimizer state (and gradients)
             self.zero = ZeroOptimizer(self.model, replicas, stage=p.zero_stage, optimizer=make_optimizer,
                                       bucket_mb=t.bucket_mb, counter=mesh.counter)
-        elif mesh:                          # chapter 02: bucketed gradient all-reduces, overlapped with backward
+        elif mesh and not self.ep_groups:   # chapter 02: bucketed gradient all-reduces, overlapped with backward
             self.dp = DataParallel(self.model, replicas, bucket_mb=t.bucket_mb, counter=mesh.counter)
+        # With ep, train_step averages the gradients itself after the last backward (chapter 07): each
+        # expert's over the ranks holding that expert, everything else over dp x cp.
         # The ZeRO object steps its shards with an AdamW of its own, and has the same methods.
         self.optimizer = self.zero or make_optimizer(self.model.parameters())
         self.loader = make_loader(config.train, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
@@ -244,8 +256,11 @@ class Trainer:
                 (loss + self.model.aux_loss() / t.grad_accum_steps).backward()
             local_loss += loss.detach()
             sample_ids += batch.sample_ids.tolist()
-        if self.dp or self.zero:
+        if self.ep_groups:     # once, after the last micro-batch: experts over their replicas, the rest over dp x cp
+            ep.average_gradients(self.model, self.ep_groups, counter=self.mesh.counter)
+        elif self.dp or self.zero:
             (self.dp or self.zero).finish_gradient_sync()
+        if self.mesh:
             # Every cp rank's loss is the mean over as many tokens: their mean is the whole sequences' loss.
             dist.all_reduce(local_loss, group=self.mesh.dp_cp_group)  # for the log only: not counted
             local_loss /= self.mesh.dp_size * self.mesh.cp_size
@@ -253,6 +268,8 @@ class Trainer:
             grad_norm = self.zero.clip_grad_norm_(t.grad_clip or math.inf)
         elif self.mesh and self.mesh.tp_size > 1:  # likewise over the tp shards; replicated norms count once
             grad_norm = tp.clip_grad_norm_(self.model, t.grad_clip or math.inf, self.mesh.tp_group)
+        elif self.ep_groups:                       # likewise over the ep ranks' experts; the rest counts once
+            grad_norm = ep.clip_grad_norm_(self.model, t.grad_clip or math.inf, self.ep_groups)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
         return self._optimizer_step(step, local_loss, grad_norm, sample_ids, start)
@@ -330,6 +347,7 @@ def train(config: Config, *, progress: bool = True) -> dict:
         tp_text = f" tp={p.tp}{' +SP' if p.sequence_parallel else ''}" if p.tp > 1 else ""
         tp_text += f" pp={p.pp} ({p.pp_schedule})" if p.pp > 1 else ""
         cp_text = f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
+        cp_text += f" ep={p.ep}" if p.ep > 1 else ""
         print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
               f"dp={p.dp}{zero}{tp_text}{cp_text}, {tokens_per_step} tokens per step; MFU against {peak_source} "
               f"({peak / 1e9:.1f} GFLOP/s per rank)")
@@ -372,6 +390,8 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--cp-mode", dest="cp_mode", choices=list(CP_MODES),
                         help="with --cp (chapter 05): ring attention over contiguous slices, zig-zag ring "
                              "(balanced causal work; the default) or Ulysses all-to-alls over the heads")
+    parser.add_argument("--ep", type=int, help="expert parallelism for an MoE model (chapter 07): groups of ep "
+                                               "dp ranks split the experts (e.g. --preset tiny-moe --ep 4)")
     parser.add_argument("--pp-schedule", dest="pp_schedule", choices=list(PP_SCHEDULES),
                         help="with --pp (chapter 06): the order the stages run the step's --grad-accum-steps "
                              "micro-batches in (default 1f1b)")
@@ -394,7 +414,7 @@ def parse_args(argv: list[str] | None) -> Config:
     for name in ("recompute", "attention"):
         if getattr(args, name) is not None:
             config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
-    for axis in ("dp", "pp", "cp", "tp", "zero_stage", "sequence_parallel", "cp_mode", "pp_schedule",
+    for axis in ("dp", "pp", "cp", "tp", "ep", "zero_stage", "sequence_parallel", "cp_mode", "pp_schedule",
                  "pp_virtual_stages"):
         if getattr(args, axis) is not None:
             setattr(config.parallel, axis, getattr(args, axis))

@@ -173,6 +173,28 @@ def test_context_parallel_equals_one_process(dp, cp, tp, cp_mode, more):
         assert rank["digits"] == reference["digits"]
 
 
+@pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2)])
+def test_expert_parallel_equals_one_process(dp, ep):
+    """An MoE model with its experts split over groups of ep dp ranks: loss, clipped gradient norm and
+    weights equal one process's (the balancing loss too: its load statistics cover the global batch)."""
+    steps = 4
+    model = dataclasses.replace(SMALL, num_experts=4, experts_per_token=2, moe_aux_loss_coef=0.05)
+    train = TrainConfig(micro_batch_size=2, seq_len=32, steps=steps, warmup_steps=2, grad_clip=0.5)
+    parallel = Config(model=model, parallel=ParallelConfig(dp=dp, ep=ep), train=train)
+    single = Config(model=model, train=dataclasses.replace(train, micro_batch_size=2 * dp))
+    ranks = run(record_losses, dp, args=(parallel, steps), timeout=120)
+    reference = record_losses(single, steps)
+    for rank in ranks:
+        for step in range(steps):
+            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
+    whole = {name: w for rank in ranks[:ep] for name, w in rank["weights"].items()}   # the first ep group
+    assert whole.keys() == reference["weights"].keys()           # its ranks hold every expert once between them
+    for name, weight in reference["weights"].items():
+        torch.testing.assert_close(whole[name], weight, rtol=1e-4, atol=1e-4)
+    assert all(rank["digits"] == reference["digits"] for rank in ranks)
+
+
 def test_moe_aux_loss_reaches_training_and_flops_count_active_experts():
     moe = dataclasses.replace(SMALL, num_experts=4, experts_per_token=2)
     train = TrainConfig(micro_batch_size=2, seq_len=32, steps=1, warmup_steps=1)
@@ -239,6 +261,10 @@ def test_bad_configs_are_clear_errors(tmp_path):
                              "--grad-accum-steps", "3"]))
     with pytest.raises(ValueError, match="pp_virtual_stages=2: use 1, or more with pp_schedule='interleaved'"):
         validate(parse_args(["--dp", "1", "--pp", "2", "--virtual-stages", "2"]))
+    with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
+        validate(parse_args(["--dp", "2", "--ep", "2"]))
+    with pytest.raises(ValueError, match="ep=3 does not divide dp=4"):
+        validate(parse_args(["--preset", "tiny-moe", "--ep", "3"]))
     with pytest.raises(NotImplementedError, match="pp=2 combines with data parallelism only"):
         Trainer(parse_args(["--dp", "1", "--pp", "2", "--tp", "2"]))
     with pytest.raises(NotImplementedError, match="zero_stage=1 with tp=2 is not supported yet"):

@@ -127,7 +127,8 @@ def mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
     """Where two tensors differ most, and their first values, for a failure message."""
     if actual.shape != expected.shape:
         return f"expected shape {tuple(expected.shape)}, got {tuple(actual.shape)}"
-    diff = (actual.double() - expected.double()).abs().flatten().nan_to_num(math.inf)
+    diff = (actual.double() - expected.double()).abs().flatten()
+    diff = diff.nan_to_num(nan=math.inf, posinf=math.inf)   # a NaN or an infinity is the worst place
     worst = int(diff.argmax())
     return (f"worst at element {worst}: expected {expected.flatten()[worst].item():.6g}, "
             f"got {actual.flatten()[worst].item():.6g} (first values: expected {preview(expected)}, "

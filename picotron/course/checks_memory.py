@@ -147,11 +147,12 @@ def _refusing(what: str, answers: dict) -> Iterator[None]:
 
 
 # ==== 1. the parameter count ====================================================================
-# Every preset, tied and untied, and three shapes the presets lack: multi-head attention (as many
-# key-value heads as query heads), multi-query attention (one), and head_dim * heads != hidden.
+# Every dense preset (the assignment counts the dense Llama; MoE presets are chapter 07's), tied and
+# untied, and three shapes the presets lack: multi-head attention (as many key-value heads as query
+# heads), multi-query attention (one), and head_dim * heads != hidden.
 PARAM_SHAPES: list[tuple[str, ModelConfig]] = [
     (f"{name}, {'tied' if tie else 'untied'}", dataclasses.replace(ModelConfig.preset(name), tie_word_embeddings=tie))
-    for name in PRESETS for tie in (True, False)
+    for name in PRESETS if not PRESETS[name].get("num_experts") for tie in (True, False)
 ] + [
     ("MHA, untied", ModelConfig(num_key_value_heads=4, num_layers=6, tie_word_embeddings=False)),
     ("MQA, tied", ModelConfig(num_key_value_heads=1, num_layers=2, vocab_size=1000)),

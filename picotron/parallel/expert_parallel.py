@@ -85,7 +85,7 @@ from picotron.mesh import Mesh
 from picotron.model import MoE, Routing, combine, load_balancing_loss, route, run_experts
 
 __all__ = ["ExpertParallelGroups", "expert_parallel_groups", "check_expert_parallel", "all_to_all",
-           "ExpertParallelMoE", "apply_expert_parallel", "average_gradients",
+           "ExpertParallelMoE", "apply_expert_parallel", "average_gradients", "clip_grad_norm_",
            "ep_comm_per_layer", "ep_comm_bytes"]
 
 
@@ -325,6 +325,27 @@ def average_gradients(model: nn.Module, groups: ExpertParallelGroups, *, counter
     _sum_flat([p.grad for p in experts], groups.expert_dp_group, counter)
     for p in params:
         p.grad.div_(groups.data_size)                                   # sum over the global batch -> mean
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ExpertParallelGroups, *,
+                    counter: CommCounter | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for an expert-parallel model: the norm of the whole model's gradient.
+
+    Call it after `average_gradients`. Each rank of an ep group holds different experts, so their
+    squared norms add up over the ep group (one all-reduce of a scalar); everything else is the same
+    on every rank and counts once. Every rank then scales by the same factor.
+    """
+    grads = [(p.grad, getattr(p, "expert_parallel", False)) for p in model.parameters() if p.grad is not None]
+    zero = torch.zeros((), dtype=torch.float32, device=grads[0][0].device if grads else None)
+    experts = sum((g.float().square().sum() for g, is_expert in grads if is_expert), zero.clone())
+    dense = sum((g.float().square().sum() for g, is_expert in grads if not is_expert), zero.clone())
+    if groups.ep > 1:
+        comm.all_reduce(experts, group=groups.ep_group, counter=counter)
+    norm = (experts + dense).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)   # torch's rule: never scale up
+    for g, _ in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
 
 
 def _sum_flat(grads: list[torch.Tensor], group, counter: CommCounter | None) -> None:
