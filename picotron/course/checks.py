@@ -45,7 +45,7 @@ from picotron.course import settings
 from picotron.launch import device, run
 
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "max_abs_error", "mismatch", "on_ranks",
-           "one_thread", "patched",
+           "one_thread", "patched", "collective_patches", "tensors_in",
            "only_point_to_point", "check_chunk_to_send", "check_reduce_scatter_phase",
            "check_all_gather_phase", "check_ring_all_reduce"]
 
@@ -180,6 +180,32 @@ def patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
+
+
+def collective_patches(wrap: Callable[[str, Callable], Callable]) -> list[tuple[object, str, Callable]]:
+    """Patches (for `patched`) that put `wrap(name, original)` in place of every collective and of
+    send/isend: in torch.distributed, in its distributed_c10d module, and in picotron.comm, which
+    holds the *_single collectives under names of its own. For checks that record what a rank sends."""
+    import picotron.comm as comm
+
+    names = [name for name in (*COLLECTIVES, "send", "isend") if hasattr(c10d, name)]
+    patches = [(module, name, wrap(name, getattr(c10d, name))) for name in names for module in (dist, c10d)
+               if hasattr(module, name)]
+    patches += [(comm, short, wrap(name, getattr(comm, short)))
+                for short, name in (("_all_gather_single", "all_gather_into_tensor"),
+                                    ("_reduce_scatter_single", "reduce_scatter_tensor")) if hasattr(comm, short)]
+    return patches
+
+
+def tensors_in(values: list) -> list[torch.Tensor]:
+    """The tensors among `values`, looking inside lists and tuples (a collective's arguments)."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out += tensors_in(list(value))
+    return out
 
 
 def on_ranks(fn: Callable, world_size: int, *args) -> list:

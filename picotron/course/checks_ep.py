@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from picotron.course.checks import (COLLECTIVES, Report, close_enough, max_abs_error, mismatch, on_ranks, patched,
-                                    rank_tensor)
+from picotron.course.checks import (Report, close_enough, collective_patches, max_abs_error, mismatch,
+                                    on_ranks, patched, rank_tensor, tensors_in)
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",
            "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe", "WORLD", "EP_SIZES", "NUM_EXPERTS",
@@ -103,8 +103,6 @@ def recorded_exchanges(where: str) -> Iterator[list[Exchange]]:
     all-to-all runs, the split sizes of every rank of its group are compared; if they disagree, every
     rank raises SplitsDisagree naming `where` and the first mismatch.
     """
-    import picotron.comm as comm
-
     calls: list[Exchange] = []
     busy = [False]
     gather = c10d.all_gather  # the guard's own all-gather, never recorded
@@ -127,7 +125,7 @@ def recorded_exchanges(where: str) -> Iterator[list[Exchange]]:
                 calls.append(call)
                 _check_splits(where, shapes, group, gather)
             else:
-                tensors = _tensors_in([arguments["tensor"]] if name == "all_reduce" else list(arguments.values()))
+                tensors = tensors_in([arguments["tensor"]] if name == "all_reduce" else list(arguments.values()))
                 payload = max(tensors, key=lambda t: t.numel(), default=None)
                 numel = 0 if payload is None else payload.numel()
                 nbytes = 0 if payload is None else numel * payload.element_size()
@@ -139,24 +137,8 @@ def recorded_exchanges(where: str) -> Iterator[list[Exchange]]:
                 busy[0] = False
         return recorded
 
-    names = [name for name in (*COLLECTIVES, "send", "isend") if hasattr(c10d, name)]
-    patches = [(module, name, wrap(name, getattr(c10d, name))) for name in names for module in (dist, c10d)
-               if hasattr(module, name)]
-    patches += [(comm, short, wrap(name, getattr(comm, short)))
-                for short, name in (("_all_gather_single", "all_gather_into_tensor"),
-                                    ("_reduce_scatter_single", "reduce_scatter_tensor")) if hasattr(comm, short)]
-    with patched(patches):
+    with patched(collective_patches(wrap)):
         yield calls
-
-
-def _tensors_in(values: list) -> list[torch.Tensor]:
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out += _tensors_in(list(value))
-    return out
 
 
 def _all_to_all_call(name: str, arguments: dict, size: int) -> tuple[Exchange, dict]:

@@ -32,12 +32,11 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch import nn
 
-from picotron.course.checks import (COLLECTIVES, Report, close_enough, max_abs_error, mismatch, on_ranks, patched,
-                                    rank_tensor)
+from picotron.course.checks import (Report, close_enough, collective_patches, max_abs_error, mismatch,
+                                    on_ranks, patched, rank_tensor, tensors_in)
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "check_vocab_parallel_cross_entropy", "recorded_collectives", "Call", "WORLD", "TP_SIZES"]
@@ -80,8 +79,6 @@ def recorded_collectives() -> Iterator[list[Call]]:
     An all-reduce counts its tensor; any other operation its largest tensor argument. Calls made
     inside a recorded call (torch's deprecated names call the new ones) are not counted twice.
     """
-    import picotron.comm as comm
-
     calls: list[Call] = []
     busy = [False]
 
@@ -97,7 +94,7 @@ def recorded_collectives() -> Iterator[list[Call]]:
                 arguments = signature.bind(*args, **kwargs).arguments
             except TypeError:  # wrong arguments: let torch say what is wrong
                 return original(*args, **kwargs)
-            tensors = _tensors_in([arguments["tensor"]] if op == "all_reduce" else list(arguments.values()))
+            tensors = tensors_in([arguments["tensor"]] if op == "all_reduce" else list(arguments.values()))
             payload = max(tensors, key=lambda t: t.numel(), default=None)
             reduce = _reduce_name(arguments.get("op", dist.ReduceOp.SUM)) if name in _REDUCING else ""
             group_size = dist.get_world_size(arguments.get("group"))
@@ -110,24 +107,8 @@ def recorded_collectives() -> Iterator[list[Call]]:
                 busy[0] = False
         return recorded
 
-    names = [name for name in (*COLLECTIVES, "send", "isend") if hasattr(c10d, name)]
-    patches = [(module, name, wrap(name, getattr(c10d, name))) for name in names for module in (dist, c10d)
-               if hasattr(module, name)]
-    patches += [(comm, short, wrap(name, getattr(comm, short)))
-                for short, name in (("_all_gather_single", "all_gather_into_tensor"),
-                                    ("_reduce_scatter_single", "reduce_scatter_tensor")) if hasattr(comm, short)]
-    with patched(patches):
+    with patched(collective_patches(wrap)):
         yield calls
-
-
-def _tensors_in(values: list) -> list[torch.Tensor]:
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out += _tensors_in(list(value))
-    return out
 
 
 def _reduce_name(op) -> str:
