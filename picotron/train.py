@@ -51,7 +51,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from picotron import launch
-from picotron.config import CP_MODES, PP_SCHEDULES, Config, ModelConfig, ParallelConfig, validate
+from picotron.config import CP_MODES, PP_SCHEDULES, PRESETS, Config, ModelConfig, ParallelConfig, validate
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
@@ -375,7 +375,7 @@ def train(config: Config, *, progress: bool = True) -> dict:
 def parse_args(argv: list[str] | None) -> Config:
     parser = argparse.ArgumentParser(prog="python -m picotron.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="JSON file with 'model', 'parallel' and 'train' sections")
-    parser.add_argument("--preset", help="model shape: tiny, smollm-135m, smollm-360m, smollm-1.7b, llama3-8b")
+    parser.add_argument("--preset", help=f"model shape: {', '.join(PRESETS)}")
     for axis in ("dp", "pp", "cp", "tp"):
         parser.add_argument(f"--{axis}", type=int)
     for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "seed", "log_every"):
