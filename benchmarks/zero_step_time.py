@@ -41,7 +41,8 @@ from picotron import launch
 from picotron.config import ModelConfig
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import DataParallel
-from picotron.parallel.zero import Zero3, ZeroOptimizer
+from picotron.parallel.zero import ZeroOptimizer
+from picotron.parallel.zero3 import Zero3
 
 VARIANTS = {
     "plain DP": dict(kind="dp"),

@@ -60,7 +60,8 @@ from picotron.parallel import expert_parallel as ep
 from picotron.parallel import pipeline_parallel as pp
 from picotron.parallel import tensor_parallel as tp
 from picotron.parallel.data_parallel import DataParallel, all_reduce_gradients
-from picotron.parallel.zero import Zero3, ZeroOptimizer
+from picotron.parallel.zero import ZeroOptimizer
+from picotron.parallel.zero3 import Zero3
 
 # Dense bf16 tensor-core peaks from the vendors' spec sheets (without sparsity), FLOP/s.
 GPU_PEAK_FLOPS = {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,

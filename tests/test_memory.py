@@ -196,7 +196,8 @@ def test_zero_stages_shard_the_playbooks_terms(precision):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_estimate_is_picotrons_exact_bytes_up_to_padding_and_counters(stage):
-    from picotron.parallel.zero import llama_units, zero_state_bytes
+    from picotron.parallel.zero import zero_state_bytes
+    from picotron.parallel.zero3 import llama_units
     units = llama_units(Llama(TINY))
     numels = ([TINY.num_params()] if stage < 3 else
               [sum(p.numel() for p in dict.fromkeys(p for m in unit for p in m.parameters())) for unit in units])

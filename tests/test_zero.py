@@ -23,8 +23,8 @@ from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import DataParallel
-from picotron.parallel.zero import (ZeroOptimizer, Zero3, llama_units, ring_bytes, zero_comm_bytes,
-                                    zero_state_bytes)
+from picotron.parallel.zero import ZeroOptimizer, ring_bytes, zero_comm_bytes, zero_state_bytes
+from picotron.parallel.zero3 import Zero3, llama_units
 
 # Odd sizes: 33 hidden, 65 MLP, head_dim 8. Units of 8481 (embedding + final norm) and 8085 (a layer).
 ODD = ModelConfig(hidden_size=33, intermediate_size=65, num_layers=2, num_attention_heads=2, num_key_value_heads=1,

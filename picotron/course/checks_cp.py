@@ -71,6 +71,7 @@ HOP_TIMEOUT = 10.0
 SECOND_ERROR_DELAY = 5.0       # a rank whose neighbour died waits this long before reporting it
 FP32 = torch.float32
 PACKAGE = "picotron.parallel.context_parallel"
+BLOCKS = "picotron.parallel.online_softmax"     # its one-device building blocks: the course's answer too
 INF = math.inf
 
 
@@ -221,8 +222,9 @@ def _show_list(values: list) -> str:
 # ---- the course's answer is refused --------------------------------------------------------------
 def _not_the_course_answer(what: str, *functions) -> None:
     for fn in functions:
-        if str(getattr(fn, "__module__", "")).startswith(PACKAGE):
-            raise AssertionError(f"{what}: {getattr(fn, '__name__', fn)} comes from {PACKAGE}, the course's answer; "
+        module = str(getattr(fn, "__module__", ""))
+        if module.startswith((PACKAGE, BLOCKS)):
+            raise AssertionError(f"{what}: {getattr(fn, '__name__', fn)} comes from {module}, the course's answer; "
                                  "write your own")
 
 
@@ -231,6 +233,7 @@ def _course_answer_refused(what: str) -> Iterator[None]:
     """Inside, the functions of the course's module raise, however the learner's code reaches them (imported
     here only to be refused: a learner's import inside the call would otherwise find it unpatched)."""
     course = importlib.import_module(PACKAGE)
+    blocks = importlib.import_module(BLOCKS)
 
     def refuse(name: str) -> Callable:
         def call(*args, **kwargs):
@@ -239,7 +242,7 @@ def _course_answer_refused(what: str) -> Iterator[None]:
 
     names = ("ring_attention", "attention_block", "merge_blocks", "online_softmax_attention", "ulysses_attention",
              "cp_chunks", "cp_positions", "split_sequence")
-    patches = [(course, name, refuse(name)) for name in names if hasattr(course, name)]
+    patches = [(module, name, refuse(name)) for name in names for module in (course, blocks) if hasattr(module, name)]
     ring = getattr(course, "RingAttention", None)          # reached through a reference imported earlier
     forward = ring.__dict__["forward"] if ring is not None else None
     try:
