@@ -67,6 +67,18 @@ def test_data_parallel_equals_one_process(dp, accum, steps, bucket_mb, recompute
     assert reference["loss"][-1] < reference["loss"][0] - 0.5  # and it learned something
 
 
+def assert_trains_like_one_process(ranks: list[dict], reference: dict, steps: int) -> None:
+    """Every rank's loss and clipped gradient norm at every step, its final weights and its evaluation
+    equal one process's (record_losses on both sides)."""
+    for rank in ranks:
+        for step in range(steps):
+            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
+        for name, weight in reference["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+        assert rank["digits"] == reference["digits"]
+
+
 def record_losses(config: Config, steps: int) -> dict:
     """Train `steps` steps; return the losses, gradient norms, the whole weights at the end (ZeRO-3 and
     tensor parallelism gather them) and the held-out digit accuracy."""
@@ -99,13 +111,7 @@ def test_pipeline_parallel_equals_one_process(dp, pp, schedule, accum, virtual):
     ranks = run(record_losses, dp * pp, args=(parallel, steps), timeout=120)
     reference = record_losses(single, steps)
     assert min(reference["grad_norm"]) > 0.5     # clipping was active: the norm over the stages matters
-    for rank in ranks:
-        for step in range(steps):
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
-            assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
-        for name, weight in reference["weights"].items():
-            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
-        assert rank["digits"] == reference["digits"]
+    assert_trains_like_one_process(ranks, reference, steps)
 
 
 @pytest.mark.parametrize("zero_stage, dp, accum", [(3, 4, 1), (2, 2, 2)])
@@ -136,13 +142,7 @@ def test_tensor_parallel_equals_one_process(dp, tp, sequence_parallel):
     ranks = run(record_losses, dp * tp, args=(parallel, steps), timeout=120)
     reference = record_losses(single, steps)
     assert min(reference["grad_norm"]) > 0.5     # clipping was active at every step: the norm matters
-    for rank in ranks:
-        for step in range(steps):
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
-            assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
-        for name, weight in reference["weights"].items():
-            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
-        assert rank["digits"] == reference["digits"]
+    assert_trains_like_one_process(ranks, reference, steps)
 
 
 @pytest.mark.parametrize("dp, cp, tp, cp_mode, more", [
@@ -164,13 +164,7 @@ def test_context_parallel_equals_one_process(dp, cp, tp, cp_mode, more):
     ranks = run(record_losses, dp * cp * tp, args=(parallel, steps), timeout=120)
     reference = record_losses(single, steps)
     assert min(reference["grad_norm"]) > 0.5     # clipping was active at every step: the norm matters
-    for rank in ranks:
-        for step in range(steps):
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
-            assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
-        for name, weight in reference["weights"].items():
-            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
-        assert rank["digits"] == reference["digits"]
+    assert_trains_like_one_process(ranks, reference, steps)
 
 
 @pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2)])
