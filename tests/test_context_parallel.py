@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from picotron.config import ModelConfig, TrainConfig, check_context_parallel
+from picotron.course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.memory import activation_bytes_per_layer
@@ -363,12 +364,8 @@ def all_cases(attention_reference: dict, references: dict) -> dict:
 @pytest.fixture(scope="module")
 def one_process() -> dict:
     """The single-process runs: attention, and 20 training steps on batches of BATCH and 2 BATCH windows."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():   # like each rank
         return {"attention": reference_attention(*attention_inputs()), "train": {dp: train(dp=dp) for dp in (1, 2)}}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

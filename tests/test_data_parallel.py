@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
+from picotron.course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.model import Llama, loss_fn
@@ -154,12 +155,8 @@ DDP_PAIRS = [("bucketed 0.1 MiB", "torch DDP"), ("accumulation, no_sync", "torch
 def one_process() -> dict:
     """The single-process runs, by micro-batches per step; one thread, like each rank (and not
     fighting the ranks of other tests for the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():   # like each rank
         return {accum: train_variant(("local", None, False, accum)) for accum in (1, 2)}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

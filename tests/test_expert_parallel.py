@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
+from picotron.course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.memory import estimate_memory
@@ -188,12 +189,8 @@ def all_cases(references: dict) -> dict:
 @pytest.fixture(scope="module")
 def one_process() -> dict:
     """Single-process training on the global batch of 2 and of 4 ranks; one thread, like each rank."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():   # like each rank
         return {dp: train(dp) for dp in TRAIN_CASES}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from picotron.config import ModelConfig, TrainConfig
+from picotron.course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.mesh import Mesh
@@ -71,12 +72,8 @@ def train_one_process(config: ModelConfig = CONFIG) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process() -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # like each rank
-    try:
+    with one_thread():   # like each rank
         return train_one_process()
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---- on the ranks: 20 steps of each schedule ------------------------------------------------------------------

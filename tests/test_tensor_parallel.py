@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
+from picotron.course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.memory import activation_bytes_per_layer, saved_tensors
@@ -256,12 +257,8 @@ def all_cases(references: dict) -> dict:
 @pytest.fixture(scope="module")
 def one_process() -> dict:
     """The single-process runs, tied and untied; one thread, like each rank."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():   # like each rank
         return {tied: train(tied) for tied in (True, False)}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
+from picotron.course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.model import Llama, loss_fn
@@ -143,12 +144,8 @@ def all_variants(references: dict) -> dict:
 @pytest.fixture(scope="module")
 def one_process() -> dict:
     """The single-process runs, by micro-batches per step; one thread, like each rank."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():   # like each rank
         return {accum: train_variant(("local", None, accum, {})) for accum in (1, 2)}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
