@@ -33,6 +33,7 @@ sent point-to-point are counted), `on_ranks` (run with the course timeout).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -45,7 +46,7 @@ from picotron.course import settings
 from picotron.launch import device, run
 
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "max_abs_error", "mismatch", "on_ranks",
-           "one_thread", "patched", "collective_patches", "tensors_in",
+           "one_thread", "patched", "collective_patches", "collectives_observed", "payload_of", "tensors_in",
            "only_point_to_point", "check_chunk_to_send", "check_reduce_scatter_phase",
            "check_all_gather_phase", "check_ring_all_reduce"]
 
@@ -195,6 +196,46 @@ def collective_patches(wrap: Callable[[str, Callable], Callable]) -> list[tuple[
                 for short, name in (("_all_gather_single", "all_gather_into_tensor"),
                                     ("_reduce_scatter_single", "reduce_scatter_tensor")) if hasattr(comm, short)]
     return patches
+
+
+@contextmanager
+def collectives_observed(on_call: Callable[[str, dict], None]) -> Iterator[None]:
+    """Inside the block, `on_call(name, arguments)` runs before every collective (and send) this rank
+    makes, with the call's arguments bound to their parameter names.
+
+    A call made inside another (torch's deprecated names call the new ones) is seen once; a call
+    whose arguments do not bind goes to torch untouched, for torch to say what is wrong.
+    """
+    busy = [False]
+
+    def wrap(name: str, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def observed(*args, **kwargs):
+            if busy[0]:
+                return original(*args, **kwargs)
+            try:
+                arguments = signature.bind(*args, **kwargs).arguments
+            except TypeError:
+                return original(*args, **kwargs)
+            on_call(name, arguments)
+            busy[0] = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                busy[0] = False
+        return observed
+
+    with patched(collective_patches(wrap)):
+        yield
+
+
+def payload_of(name: str, arguments: dict) -> torch.Tensor | None:
+    """The tensor a collective call moves, for counting: an all-reduce's tensor, otherwise the largest
+    tensor among its arguments (an all-gather's output, a scatter's list, ...)."""
+    tensors = tensors_in([arguments["tensor"]] if name == "all_reduce" else list(arguments.values()))
+    return max(tensors, key=lambda t: t.numel(), default=None)
 
 
 def tensors_in(values: list) -> list[torch.Tensor]:

@@ -29,8 +29,6 @@ they disagree, and the check says instead which rank sends what to whom.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,8 +39,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from picotron.course.checks import (Report, close_enough, collective_patches, max_abs_error, mismatch,
-                                    on_ranks, patched, rank_tensor, tensors_in)
+from picotron.course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
+                                    on_ranks, payload_of, rank_tensor)
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",
            "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe", "WORLD", "EP_SIZES", "NUM_EXPERTS",
@@ -104,40 +102,22 @@ def recorded_exchanges(where: str) -> Iterator[list[Exchange]]:
     rank raises SplitsDisagree naming `where` and the first mismatch.
     """
     calls: list[Exchange] = []
-    busy = [False]
     gather = c10d.all_gather  # the guard's own all-gather, never recorded
 
-    def wrap(name: str, original: Callable) -> Callable:
-        signature = inspect.signature(original)
+    def record(name: str, arguments: dict) -> None:
+        group = arguments.get("group")
+        size = dist.get_world_size(group)
+        if name in ("all_to_all_single", "all_to_all"):
+            call, shapes = _all_to_all_call(name, arguments, size)
+            calls.append(call)
+            _check_splits(where, shapes, group, gather)   # raises SplitsDisagree before the exchange runs
+        else:
+            payload = payload_of(name, arguments)
+            numel = 0 if payload is None else payload.numel()
+            nbytes = 0 if payload is None else numel * payload.element_size()
+            calls.append(Exchange(name.strip("_").removesuffix("_base"), numel, nbytes, None, None, size))
 
-        @functools.wraps(original)
-        def recorded(*args, **kwargs):
-            if busy[0]:
-                return original(*args, **kwargs)
-            try:
-                arguments = signature.bind(*args, **kwargs).arguments
-            except TypeError:  # wrong arguments: let torch say what is wrong
-                return original(*args, **kwargs)
-            group = arguments.get("group")
-            size = dist.get_world_size(group)
-            if name in ("all_to_all_single", "all_to_all"):
-                call, shapes = _all_to_all_call(name, arguments, size)
-                calls.append(call)
-                _check_splits(where, shapes, group, gather)
-            else:
-                tensors = tensors_in([arguments["tensor"]] if name == "all_reduce" else list(arguments.values()))
-                payload = max(tensors, key=lambda t: t.numel(), default=None)
-                numel = 0 if payload is None else payload.numel()
-                nbytes = 0 if payload is None else numel * payload.element_size()
-                calls.append(Exchange(name.strip("_").removesuffix("_base"), numel, nbytes, None, None, size))
-            busy[0] = True
-            try:
-                return original(*args, **kwargs)
-            finally:
-                busy[0] = False
-        return recorded
-
-    with patched(collective_patches(wrap)):
+    with collectives_observed(record):
         yield calls
 
 

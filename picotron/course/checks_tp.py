@@ -23,8 +23,6 @@ size of the group it ran over. Forward and backward are recorded apart.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,8 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from picotron.course.checks import (Report, close_enough, collective_patches, max_abs_error, mismatch,
-                                    on_ranks, patched, rank_tensor, tensors_in)
+from picotron.course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
+                                    on_ranks, payload_of, rank_tensor)
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "check_vocab_parallel_cross_entropy", "recorded_collectives", "Call", "WORLD", "TP_SIZES"]
@@ -80,34 +78,16 @@ def recorded_collectives() -> Iterator[list[Call]]:
     inside a recorded call (torch's deprecated names call the new ones) are not counted twice.
     """
     calls: list[Call] = []
-    busy = [False]
 
-    def wrap(name: str, original: Callable) -> Callable:
-        signature = inspect.signature(original)
+    def record(name: str, arguments: dict) -> None:
         op = name.strip("_").removesuffix("_base")
+        payload = payload_of(op, arguments)
+        reduce = _reduce_name(arguments.get("op", dist.ReduceOp.SUM)) if name in _REDUCING else ""
+        group_size = dist.get_world_size(arguments.get("group"))
+        calls.append(Call(op, 0 if payload is None else payload.numel(),
+                          0 if payload is None else payload.numel() * payload.element_size(), reduce, group_size))
 
-        @functools.wraps(original)
-        def recorded(*args, **kwargs):
-            if busy[0]:
-                return original(*args, **kwargs)
-            try:
-                arguments = signature.bind(*args, **kwargs).arguments
-            except TypeError:  # wrong arguments: let torch say what is wrong
-                return original(*args, **kwargs)
-            tensors = tensors_in([arguments["tensor"]] if op == "all_reduce" else list(arguments.values()))
-            payload = max(tensors, key=lambda t: t.numel(), default=None)
-            reduce = _reduce_name(arguments.get("op", dist.ReduceOp.SUM)) if name in _REDUCING else ""
-            group_size = dist.get_world_size(arguments.get("group"))
-            calls.append(Call(op, 0 if payload is None else payload.numel(),
-                              0 if payload is None else payload.numel() * payload.element_size(), reduce, group_size))
-            busy[0] = True
-            try:
-                return original(*args, **kwargs)
-            finally:
-                busy[0] = False
-        return recorded
-
-    with patched(collective_patches(wrap)):
+    with collectives_observed(record):
         yield calls
 
 
