@@ -197,6 +197,7 @@ class TrainConfig:
     eval_every: int = 0                   # 0: evaluate task accuracy only at the end
     backend: str = "auto"                 # "auto", "gloo" or "nccl"
     bucket_mb: float = 25.0               # MiB per data-parallel gradient bucket (0: one per parameter)
+    log_file: str = ""                    # a path: rank 0 appends one JSON line per step (loss, tokens/s, MFU)
 
     @property
     def tokens_per_step(self) -> int:
@@ -287,6 +288,42 @@ def check_zero_stage(stage, name: str = "zero_stage") -> None:
                          f"state), 2 (and the gradients) or 3 (and the parameters)")
 
 
+def check_combination(model: ModelConfig, p: ParallelConfig) -> None:
+    """Raise for axes that do not go together (ValueError), or whose pairing is not written (NotImplementedError).
+
+    Every other pairing of dp (ZeRO-0/1/2/3), pp, cp, tp (+SP) and ep composes in the trainer.
+    """
+    if p.pp > 1 and p.zero_stage == 3:
+        raise ValueError("zero_stage=3 with pp>1: ZeRO-3 all-gathers a layer's weights for every forward and "
+                         "backward, and a pipeline runs each stage's layers once per micro-batch, so the weights "
+                         "would cross the network 2m times a step instead of twice; use zero_stage=1 or 2 with "
+                         "pp (as DeepSeek-V3 does), or pp=1 with ZeRO-3")
+    if p.pp > 1 and p.zero_stage == 2 and p.pp_schedule in ("zb-h1", "interleaved"):
+        why = ("zb-h1's W steps write the weight gradients themselves, after backward" if p.pp_schedule == "zb-h1"
+               else "a rank's chunks of layers run separate backwards, so a bucket spanning two chunks fills up "
+                    "out of step with the micro-batches")
+        raise NotImplementedError(f"zero_stage=2 with pp_schedule={p.pp_schedule!r}: ZeRO-2 reduce-scatters a bucket "
+                                  f"when one backward has filled it, but {why}; use zero_stage=1 with this "
+                                  f"schedule, or '1f1b' / 'afab' with zero_stage=2")
+    if p.pp > 1 and p.zero_stage == 2 and model.tie_word_embeddings:
+        raise ValueError("zero_stage=2 with pp>1 and tie_word_embeddings=True: the first and the last stage each "
+                         "hold a copy of the tied matrix and must add their gradients, which ZeRO-2 has already "
+                         "reduce-scattered into shards laid out differently on the two stages; use zero_stage=1, "
+                         "or tie_word_embeddings=False")
+    if model.num_experts and p.pp > 1:
+        raise NotImplementedError(f"pp={p.pp} with an MoE model (num_experts={model.num_experts}) is not written: "
+                                  f"each stage's balancing losses would have to join that stage's backward; use "
+                                  f"pp=1 with MoE models")
+    if model.num_experts and p.tp > 1 and p.sequence_parallel:
+        raise NotImplementedError(f"sequence_parallel with an MoE model (tp={p.tp}) is not written: each tp rank "
+                                  f"would route its own slice of the sequence, and the experts' gradients and the "
+                                  f"balancing loss's load would have to be summed over tp too; drop sequence_parallel")
+    if p.ep > 1 and p.zero_stage:
+        raise NotImplementedError(f"ep={p.ep} with zero_stage={p.zero_stage} is not written: ZeRO's flat buffers "
+                                  f"average every gradient over all dp ranks, but an expert's gradient is averaged "
+                                  f"over the ranks holding that expert only; use one of them")
+
+
 def validate(config: Config, world_size: int | None = None) -> None:
     """Raise ValueError naming the problem and the fix for any impossible combination."""
     m, p, t = config.model, config.parallel, config.train
@@ -326,6 +363,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"seq_len={t.seq_len} is longer than max_seq_len={m.max_seq_len}; raise max_seq_len")
     check_context_parallel(m, p.cp, p.cp_mode, t.seq_len, p.tp)
+    check_combination(m, p)
     if t.micro_batch_size < 1 or t.grad_accum_steps < 1 or t.steps < 0:
         raise ValueError("micro_batch_size and grad_accum_steps must be >= 1 and steps >= 0")
     if t.bucket_mb < 0:

@@ -8,6 +8,7 @@
     python -m picotron.train --dp 1 --cp 2 --tp 2 --sp # context and tensor parallelism together, 4 ranks
     python -m picotron.train --dp 2 --pp 2 --grad-accum-steps 4   # 2 pipeline stages, 4 micro-batches (1F1B)
     python -m picotron.train --preset tiny-moe --ep 4  # mixture of experts, 2 of 8 experts on each of 4 ranks
+    python -m picotron.train --config configs/tiny_5d_8ranks.json   # dp2 x pp2 x tp2 (+SP, ZeRO-1): 8 ranks
     python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
@@ -22,17 +23,19 @@ model FLOPs utilisation (MFU):
 The peak is the spec-sheet dense bf16 figure on a known GPU (H100 SXM: 989 TFLOP/s), and on
 a CPU a measured fp32 matmul peak of this rank, labelled as such.
 
-So far the trainer runs four axes. Data parallelism: bucketed all-reduces overlapped with
-backward (chapter 02), or with --zero 1|2|3 the dp ranks split the optimizer state,
-gradients and parameters between them (ZeRO, chapter 03). Tensor parallelism: --tp 2 splits
-every weight matrix and the vocabulary over 2 ranks, --sp adds sequence parallelism
-(chapter 04). Context parallelism: --cp 2 gives each rank half of every sequence, and
---cp-mode ring|zigzag|ulysses picks how attention sees the other half (chapter 05); the
-gradients then average over the dp x cp ranks. dp x cp x tp ranks in all. Pipeline
-parallelism, with data parallelism only so far: --pp 2 splits the layers into 2 stages that
-run the step's --grad-accum-steps micro-batches in the order of --pp-schedule (chapter 06).
-For a mixture-of-experts model (--preset tiny-moe), --ep 4 splits the experts over groups of 4
-dp ranks, tokens travelling to their experts by all-to-all (chapter 07).
+The axes compose on one mesh of dp x pp x cp x tp ranks (tp innermost, pp outermost; chapter
+08). Data parallelism: bucketed all-reduces overlapped with backward (chapter 02), or with
+--zero 1|2|3 the replicas split the optimizer state, gradients and parameters (ZeRO, chapter 03).
+Tensor parallelism: --tp 2 splits every weight matrix and the vocabulary over 2 ranks, --sp adds
+sequence parallelism (chapter 04). Context parallelism: --cp 2 gives each rank half of every
+sequence, --cp-mode ring|zigzag|ulysses picks how attention sees the rest (chapter 05); the
+gradients then average over the dp x cp ranks. Pipeline parallelism: --pp 2 splits the layers
+into 2 stages that run the step's --grad-accum-steps micro-batches in the order of
+--pp-schedule (chapter 06), with ZeRO-1/2 but not ZeRO-3. Expert parallelism: for a
+mixture-of-experts model (--preset tiny-moe), --ep 4 splits the experts over groups of 4 dp
+ranks, tokens travelling to their experts by all-to-all, while --tp splits the attention
+(chapter 07). The combinations that do not go together are refused by
+picotron.config.check_combination, with the reason and the fix.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import sys
 import time
@@ -50,7 +54,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from picotron import launch
+from picotron import comm, launch
 from picotron.config import CP_MODES, PP_SCHEDULES, PRESETS, Config, ModelConfig, ParallelConfig, validate
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
@@ -121,24 +125,20 @@ class StepResult:
 
 
 class Trainer:
-    """One model replica and its optimizer; `mesh=None` trains in a single process."""
+    """One model replica and its optimizer; `mesh=None` trains in a single process.
+
+    The axes compose in one order: tensor parallelism splits the weights (chapter 04), context
+    parallelism the sequences (05), expert parallelism the experts (07), pipeline parallelism keeps
+    this rank's stages (06), and data parallelism, plain or ZeRO (02-03), averages the gradients
+    over the dp x cp replicas of whatever this rank holds.
+    """
 
     def __init__(self, config: Config, mesh: Mesh | None = None):
-        p = config.parallel
-        if p.pp > 1 and (p.tp > 1 or p.cp > 1 or p.zero_stage or config.model.num_experts):
-            raise NotImplementedError(f"pp={p.pp} combines with data parallelism only in the trainer so far (got "
-                                      f"tp={p.tp}, cp={p.cp}, zero_stage={p.zero_stage}, num_experts="
-                                      f"{config.model.num_experts}); use pp with dp, or the other axes without pp")
-        if p.ep > 1 and (p.tp > 1 or p.pp > 1 or p.zero_stage):
-            raise NotImplementedError(f"ep={p.ep} combines with dp and cp only in the trainer so far (got tp={p.tp}, "
-                                      f"pp={p.pp}, zero_stage={p.zero_stage}); use ep with dp (and cp)")
-        if p.tp > 1 and p.zero_stage:
-            raise NotImplementedError(f"zero_stage={p.zero_stage} with tp={p.tp} is not supported yet: ZeRO's flat "
-                                      f"buffers do not know which weights are tensor-parallel shards; use one of them")
         validate(config, mesh.world_size if mesh else 1)
+        p, t = config.parallel, config.train
         self.config, self.mesh = config, mesh
         self.device = launch.device()
-        torch.manual_seed(config.train.seed)
+        torch.manual_seed(t.seed)
         self.model = Llama(config.model).to(self.device)
         self.loss_fn = loss_fn
         if mesh and p.tp > 1:  # chapter 04: each tp rank keeps its slice of every matrix and of the vocabulary
@@ -146,103 +146,91 @@ class Trainer:
             self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=mesh.tp_group, counter=mesh.counter)
         if mesh and p.cp > 1:  # chapter 05: each cp rank holds a slice of every sequence; attention gathers the rest
             cp.apply_context_parallel(self.model, mesh, mode=p.cp_mode, counter=mesh.counter)
-        t = config.train
-        self.stages = self.ep_groups = None
+        self.ep_groups = None
         if mesh and p.ep > 1:  # chapter 07: each rank of an ep group keeps num_experts/ep experts; tokens travel
             self.ep_groups = ep.expert_parallel_groups(mesh, p.ep)
             ep.apply_expert_parallel(self.model, self.ep_groups, counter=mesh.counter)
+        self.stages = None
+        trained: torch.nn.Module = self.model          # what this rank trains: the whole model, or its stages
         if mesh and p.pp > 1:  # chapter 06: this rank runs its stages' layers; the step's micro-batches flow through
-            self._init_pipeline(make_optimizer=lambda params: torch.optim.AdamW(
-                params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay))
-            return
+            self.stages = pp.build_stages(self.model, mesh.pp_rank, mesh.pp_size, virtual_stages=p.pp_virtual_stages)
+            self.schedule = pp.make_schedule(p.pp_schedule, mesh.pp_size, t.grad_accum_steps, p.pp_virtual_stages)
+            trained = torch.nn.ModuleList(self.stages)
+        self.trained = trained
 
         def make_optimizer(params):
             return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
-        # Both ways broadcast rank 0's weights, so that the replicas start identical. The replicas are the
-        # dp x cp ranks: cp ranks hold the same weights and saw different tokens of the same sequences, so
-        # the mean of their gradients is the gradient of the loss over whole sequences (the dp group when cp=1).
+        # The replicas are the dp x cp ranks: cp ranks hold the same weights and saw different tokens of the
+        # same sequences, so the mean of their gradients is the gradient of the loss over whole sequences.
+        # ZeRO and DataParallel broadcast rank 0's weights so that the replicas start identical (they are
+        # already: every rank built the model from the same seed).
         self.dp = self.zero = None
         replicas = mesh.dp_cp_group if mesh else None
         if mesh and p.zero_stage == 3:      # chapter 03: parameters gathered unit by unit, prefetched
             self.zero = Zero3(self.model, replicas, optimizer=make_optimizer, counter=mesh.counter)
         elif mesh and p.zero_stage:         # chapter 03: this rank's shard of the optimizer state (and gradients)
-            self.zero = ZeroOptimizer(self.model, replicas, stage=p.zero_stage, optimizer=make_optimizer,
+            self.zero = ZeroOptimizer(trained, replicas, stage=p.zero_stage, optimizer=make_optimizer,
                                       bucket_mb=t.bucket_mb, counter=mesh.counter)
-        elif mesh and not self.ep_groups:   # chapter 02: bucketed gradient all-reduces, overlapped with backward
+        elif mesh and not self.ep_groups and not self.stages:
+            # chapter 02: bucketed gradient all-reduces, overlapped with backward. With ep, train_step averages
+            # the gradients itself (each expert over the ranks holding it, chapter 07); with pp, after the
+            # schedule's last backward.
             self.dp = DataParallel(self.model, replicas, bucket_mb=t.bucket_mb, counter=mesh.counter)
-        # With ep, train_step averages the gradients itself after the last backward (chapter 07): each
-        # expert's over the ranks holding that expert, everything else over dp x cp.
         # The ZeRO object steps its shards with an AdamW of its own, and has the same methods.
-        self.optimizer = self.zero or make_optimizer(self.model.parameters())
-        self.loader = make_loader(config.train, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
+        self.optimizer = self.zero or make_optimizer(trained.parameters())
+        self.loader = make_loader(t, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
                                   cp_rank=mesh.cp_rank if mesh else 0, cp_size=p.cp, zigzag=p.cp_mode == "zigzag")
 
-    def _init_pipeline(self, make_optimizer) -> None:
-        """Pipeline parallelism: keep this rank's stages, a schedule for the step's micro-batches, a loader.
-
-        Every rank built the same model (same seed), so the dp replicas start equal without a
-        broadcast; the parameters of the layers other stages own are simply never trained here.
-        """
-        p, t, mesh = self.config.parallel, self.config.train, self.mesh
-        self.stages = pp.build_stages(self.model, mesh.pp_rank, mesh.pp_size, virtual_stages=p.pp_virtual_stages)
-        self.schedule = pp.make_schedule(p.pp_schedule, mesh.pp_size, t.grad_accum_steps, p.pp_virtual_stages)
-        self.dp = self.zero = None
-        self.optimizer = make_optimizer(pp.stage_parameters(self.stages))
-        self.loader = make_loader(t, dp_rank=mesh.dp_rank, dp_size=p.dp)
-
-    def _pipeline_step(self, step: int) -> tuple[torch.Tensor, float, list]:
-        """One step of the pipeline schedule; returns the global batch's loss, the gradient norm, sample ids.
+    def _pipeline_step(self, step: int) -> tuple[torch.Tensor, list]:
+        """One step of the pipeline schedule; returns the global batch's loss and the sample ids.
 
         The grad_accum_steps micro-batches are the pipeline's m. Gradients are complete on this rank
         after the schedule; then the tied embedding's two copies (first and last stage) add their
-        gradients, and the dp replicas average theirs: once per step, after the last micro-batch.
+        gradients, and the dp x cp replicas average theirs: once per step, after the last micro-batch.
         """
-        t, mesh = self.config.train, self.mesh
+        p, t, mesh = self.config.parallel, self.config.train, self.mesh
         batches = [self.loader.get_batch(step, micro).to(self.device) for micro in range(t.grad_accum_steps)]
+        # What travels between stages: this rank's part of the hidden states, (micro-batch, seq, hidden) with
+        # the sequence cut over cp, and over tp too under sequence parallelism.
+        seq = t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
         result = pp.run_schedule(self.schedule, self.stages, mesh, [b.input_ids for b in batches],
                                  [b.targets for b in batches], self.loss_fn,
-                                 activation_shape=(t.micro_batch_size, t.seq_len, self.config.model.hidden_size),
-                                 counter=mesh.counter)
+                                 activation_shape=(t.micro_batch_size, seq, self.config.model.hidden_size),
+                                 counter=mesh.counter, position_ids=[b.position_ids for b in batches])
         pp.sync_tied_embeddings(self.stages, mesh, counter=mesh.counter)
-        stages = torch.nn.ModuleList(self.stages)
-        if mesh.dp_size > 1:
-            all_reduce_gradients(stages, mesh.dp_group, counter=mesh.counter)
+        if self.zero:
+            self.zero.finish_gradient_sync()
+        elif mesh.dp_size * mesh.cp_size > 1:
+            all_reduce_gradients(self.trained, mesh.dp_cp_group, counter=mesh.counter)
         # Only the last stage's rank knows the loss: a sum over the pp group with zeros elsewhere
-        # shares it (for the log only: not counted), then the mean over the dp replicas.
+        # shares it (for the log only: not counted); the dp x cp mean follows in train_step.
         loss = result.loss.detach().clone() if result.loss is not None else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=mesh.pp_group)
-        dist.all_reduce(loss, group=mesh.dp_group)
-        grad_norm = self._clip_pipeline_grads(stages, t.grad_clip or math.inf)
-        return loss / mesh.dp_size, grad_norm, [i for b in batches for i in b.sample_ids.tolist()]
-
-    def _clip_pipeline_grads(self, stages: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        """clip_grad_norm_ over the whole model: each pp rank adds its stages' squared norms. The tied
-        matrix has a copy on the first and on the last stage with the same gradient: counted once."""
-        skip = {id(stage.lm_head.weight) for stage in self.stages if stage.is_last and stage.tied}
-        skip -= {id(stage.embed.weight) for stage in self.stages if stage.is_first}  # both ends here: not a copy
-        grads = [q.grad for q in stages.parameters() if q.grad is not None and id(q) not in skip]
-        squares = sum((g.float().square().sum() for g in grads), torch.zeros((), device=self.device))
-        dist.all_reduce(squares, group=self.mesh.pp_group)
-        norm = squares.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)   # torch's rule: never scale up
-        for q in stages.parameters():
-            if q.grad is not None:
-                q.grad.mul_(scale)
-        return norm
+        return loss, [i for b in batches for i in b.sample_ids.tolist()]
 
     def train_step(self, step: int) -> StepResult:
         """Forward and backward over the micro-batches, average gradients over dp x cp, one AdamW step."""
         t, start = self.config.train, time.perf_counter()
-        if self.stages is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-            loss, grad_norm, sample_ids = self._pipeline_step(step)
-            return self._optimizer_step(step, loss, grad_norm, sample_ids, start)
         if self.zero:
             self.zero.zero_grad()          # ZeRO keeps its gradients in flat buffers: zeroed in place
         else:
             self.optimizer.zero_grad(set_to_none=self.dp is None)  # with dp, .grad are views into buckets
-        local_loss, sample_ids = 0.0, []
+        if self.stages is not None:
+            local_loss, sample_ids = self._pipeline_step(step)
+        else:
+            local_loss, sample_ids = self._accumulate(step)
+        if self.mesh:
+            # Every cp rank's loss is the mean over as many tokens: their mean is the whole sequences' loss.
+            dist.all_reduce(local_loss, group=self.mesh.dp_cp_group)  # for the log only: not counted
+            local_loss /= self.mesh.dp_size * self.mesh.cp_size
+        grad_norm = self.clip_grad_norm_(t.grad_clip or math.inf)
+        return self._optimizer_step(step, local_loss, grad_norm, sample_ids, start)
+
+    def _accumulate(self, step: int) -> tuple[torch.Tensor, list]:
+        """Forward and backward of each micro-batch, then the gradients averaged over the replicas."""
+        t = self.config.train
+        local_loss, sample_ids = torch.zeros((), device=self.device), []
         for micro_step in range(t.grad_accum_steps):
             batch = self.loader.get_batch(step, micro_step).to(self.device)
             last = micro_step == t.grad_accum_steps - 1
@@ -260,19 +248,61 @@ class Trainer:
             ep.average_gradients(self.model, self.ep_groups, counter=self.mesh.counter)
         elif self.dp or self.zero:
             (self.dp or self.zero).finish_gradient_sync()
-        if self.mesh:
-            # Every cp rank's loss is the mean over as many tokens: their mean is the whole sequences' loss.
-            dist.all_reduce(local_loss, group=self.mesh.dp_cp_group)  # for the log only: not counted
-            local_loss /= self.mesh.dp_size * self.mesh.cp_size
-        if self.zero:  # each rank holds a shard of the gradient: the norm adds up over the ranks
-            grad_norm = self.zero.clip_grad_norm_(t.grad_clip or math.inf)
-        elif self.mesh and self.mesh.tp_size > 1:  # likewise over the tp shards; replicated norms count once
-            grad_norm = tp.clip_grad_norm_(self.model, t.grad_clip or math.inf, self.mesh.tp_group)
-        elif self.ep_groups:                       # likewise over the ep ranks' experts; the rest counts once
-            grad_norm = ep.clip_grad_norm_(self.model, t.grad_clip or math.inf, self.ep_groups)
+        return local_loss, sample_ids
+
+    # ---- the gradient norm over the whole mesh ---------------------------------------------------------
+    def _counted_here(self, param: torch.nn.Parameter) -> bool:
+        """Whether this rank counts `param`'s gradient in the global norm (ZeRO: its part in this shard).
+
+        ||g||^2 is a sum over the elements of the whole model's gradient, and each must be counted
+        exactly once in the world. A tp shard (tp_shard_dim) is distinct on every tp rank, a weight
+        without one (the norms, an MoE block) is the same on all of them: tp rank 0 counts it. The
+        last pp stage's copy of a tied embedding is the first stage's matrix again: not counted. After
+        the averaging, the dp x cp replicas hold the same gradients: their first counts them; only
+        ZeRO's shards differ between them. An expert's replicas are the ranks holding that expert.
+        """
+        mesh = self.mesh
+        if mesh.tp_rank != 0 and not hasattr(param, "tp_shard_dim"):
+            return False
+        if id(param) in self._tied_copies:
+            return False
+        if self.zero:
+            return True
+        if getattr(param, "expert_parallel", False):   # replicas: same dp % ep, any cp and dp // ep
+            return mesh.cp_rank == 0 and mesh.dp_rank < self.config.parallel.ep
+        return mesh.dp_rank == 0 and mesh.cp_rank == 0
+
+    @functools.cached_property
+    def _tied_copies(self) -> set[int]:
+        if not self.stages:
+            return set()
+        copies = {id(stage.lm_head.weight) for stage in self.stages if stage.is_last and stage.tied}
+        return copies - {id(stage.embed.weight) for stage in self.stages if stage.is_first}  # both here: no copy
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model, however it is split; returns the norm.
+
+        Each rank adds the squares of the gradient elements it counts (_counted_here), one all-reduce
+        of a scalar over the world sums them, and every rank scales what it holds by the same factor.
+        """
+        if self.mesh is None:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.zero:
+            squares = self.zero.gradient_squares(self._counted_here)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
-        return self._optimizer_step(step, local_loss, grad_norm, sample_ids, start)
+            grads = [q.grad for q in self.trained.parameters() if q.grad is not None and self._counted_here(q)]
+            squares = sum((g.float().square().sum() for g in grads), torch.zeros((), device=self.device))
+        comm.all_reduce(squares, counter=self.mesh.counter)
+        norm = squares.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)      # torch's rule: never scale up
+        if self.zero:
+            self.zero.scale_gradients(scale)
+        else:
+            for q in self.trained.parameters():
+                if q.grad is not None:
+                    q.grad.mul_(scale.to(q.grad.dtype))
+        return norm
 
     def _optimizer_step(self, step: int, loss, grad_norm, sample_ids: list, start: float) -> StepResult:
         lr = lr_at(step, self.config)
@@ -351,6 +381,7 @@ def train(config: Config, *, progress: bool = True) -> dict:
         print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
               f"dp={p.dp}{zero}{tp_text}{cp_text}, {tokens_per_step} tokens per step; MFU against {peak_source} "
               f"({peak / 1e9:.1f} GFLOP/s per rank)")
+    log = open(config.train.log_file, "a") if is_logger and config.train.log_file else None
     bar = tqdm(range(config.train.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
     for step in bar:
@@ -361,11 +392,17 @@ def train(config: Config, *, progress: bool = True) -> dict:
         history["tokens_per_s"].append(tokens_per_s)
         history["mfu"].append(mfu)
         bar.set_postfix(loss=f"{result.loss:.3f}", refresh=False)
+        if log:
+            log.write(json.dumps({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                                  "tokens_per_s": tokens_per_s, "mfu": mfu}) + "\n")
+            log.flush()
         last = step == config.train.steps - 1
         if is_logger and (step % config.train.log_every == 0 or last):
             bar.write(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  "
                       f"{tokens_per_s:9,.0f} tok/s  MFU {mfu:6.2%}")
     bar.close()
+    if log:
+        log.close()
     history["accuracy"] = trainer.accuracy()
     if is_logger and history["accuracy"]:
         print(f"held-out sums: {history['accuracy']['digits']:.1%} of answer digits right, "
@@ -406,6 +443,7 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--attention", choices=["sdpa", "eager"], help="fused attention or the eager scores")
     parser.add_argument("--dataset", help="'arithmetic' (built in) or a .txt/.jsonl file or folder")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--log-file", dest="log_file", help="rank 0 appends one JSON line per step to this file")
     args = parser.parse_args(argv)
 
     config = Config.from_json(args.config) if args.config else Config(parallel=ParallelConfig(dp=4))

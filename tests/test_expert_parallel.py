@@ -18,8 +18,8 @@ from picotron.config import ModelConfig, TrainConfig
 from picotron.course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
-from picotron.memory import estimate_memory
 from picotron.mesh import Mesh
+from picotron.parallel.tensor_parallel import check_tensor_parallel
 from picotron.model import MoE, Llama, expert_capacity, load_balancing_loss, loss_fn, route
 from picotron.parallel.expert_parallel import (ExpertParallelGroups, ExpertParallelMoE, apply_expert_parallel,
                                                average_gradients, check_expert_parallel, ep_comm_bytes,
@@ -328,7 +328,8 @@ def test_clear_errors(launches):
         check_expert_parallel(CONFIG, 3)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         check_expert_parallel(ModelConfig(), 2)
-    with pytest.raises(NotImplementedError, match="num_experts=8"):
-        estimate_memory(ModelConfig.preset("tiny-moe"), TrainConfig())
+    with pytest.raises(NotImplementedError, match="sequence parallelism with an MoE model"):
+        check_tensor_parallel(ModelConfig.preset("tiny-moe"), 2, sequence_parallel=True)
+    check_tensor_parallel(ModelConfig.preset("tiny-moe"), 2)   # TP for the attention, the MoE blocks whole
     for rank in launches[4]:
         assert "ep=3 does not divide dp=4" in rank["bad ep"], rank["bad ep"]

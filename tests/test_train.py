@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, va
 from picotron.launch import run
 from picotron.mesh import Mesh
 from picotron.parallel.tensor_parallel import gather_parameters
+from picotron.parallel.zero3 import Zero3
 from picotron.train import Trainer, flops_per_token, lr_at, parse_args
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
@@ -79,6 +81,12 @@ def assert_trains_like_one_process(ranks: list[dict], reference: dict, steps: in
         assert rank["digits"] == reference["digits"]
 
 
+def gather_list(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
 def record_losses(config: Config, steps: int) -> dict:
     """Train `steps` steps; return the losses, gradient norms, the whole weights at the end (ZeRO-3 and
     tensor parallelism gather them) and the held-out digit accuracy."""
@@ -87,9 +95,13 @@ def record_losses(config: Config, steps: int) -> dict:
     trainer = Trainer(config, mesh)
     results = [trainer.train_step(step) for step in range(steps)]
     digits = trainer.accuracy(16)["digits"]   # under pp this first gives every rank every stage's weights
-    if trainer.zero:
+    if isinstance(trainer.zero, Zero3):   # each rank keeps 1/N of every (tp-local) weight: gather them
         weights = trainer.zero.gather_parameters()
-    elif mesh and mesh.tp_size > 1:
+        if mesh.tp_size > 1:
+            shard_dims = {n: getattr(q, "tp_shard_dim", None) for n, q in trainer.model.named_parameters()}
+            weights = {n: w if shard_dims[n] is None else torch.cat(gather_list(w, mesh.tp_group), shard_dims[n])
+                       for n, w in weights.items()}
+    elif mesh and mesh.tp_size > 1:     # (under pp, accuracy() gave every rank every stage's weights)
         weights = gather_parameters(trainer.model, mesh.tp_group)
     else:
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -167,26 +179,49 @@ def test_context_parallel_equals_one_process(dp, cp, tp, cp_mode, more):
     assert_trains_like_one_process(ranks, reference, steps)
 
 
-@pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2)])
-def test_expert_parallel_equals_one_process(dp, ep):
-    """An MoE model with its experts split over groups of ep dp ranks: loss, clipped gradient norm and
-    weights equal one process's (the balancing loss too: its load statistics cover the global batch)."""
+@pytest.mark.parametrize("dp, ep, tp", [(2, 2, 1), (4, 2, 1), (2, 2, 2)])
+def test_expert_parallel_equals_one_process(dp, ep, tp):
+    """An MoE model with its experts split over groups of ep dp ranks (and its attention over tp ranks):
+    loss, clipped gradient norm and weights equal one process's (the balancing loss too: its load
+    statistics cover the global batch)."""
     steps = 4
     model = dataclasses.replace(SMALL, num_experts=4, experts_per_token=2, moe_aux_loss_coef=0.05)
     train = TrainConfig(micro_batch_size=2, seq_len=32, steps=steps, warmup_steps=2, grad_clip=0.5)
-    parallel = Config(model=model, parallel=ParallelConfig(dp=dp, ep=ep), train=train)
+    parallel = Config(model=model, parallel=ParallelConfig(dp=dp, ep=ep, tp=tp), train=train)
     single = Config(model=model, train=dataclasses.replace(train, micro_batch_size=2 * dp))
-    ranks = run(record_losses, dp, args=(parallel, steps), timeout=120)
+    ranks = run(record_losses, dp * tp, args=(parallel, steps), timeout=120)
     reference = record_losses(single, steps)
     for rank in ranks:
         for step in range(steps):
             assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
             assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
-    whole = {name: w for rank in ranks[:ep] for name, w in rank["weights"].items()}   # the first ep group
+    whole = {name: w for rank in ranks[:ep * tp:tp] for name, w in rank["weights"].items()}   # the first ep group
     assert whole.keys() == reference["weights"].keys()           # its ranks hold every expert once between them
     for name, weight in reference["weights"].items():
         torch.testing.assert_close(whole[name], weight, rtol=1e-4, atol=1e-4)
     assert all(rank["digits"] == reference["digits"] for rank in ranks)
+
+
+@pytest.mark.parametrize("dp, pp, cp, tp, more", [
+    (2, 2, 1, 2, {}),                                             # the issue's 8 ranks: dp2 x pp2 x tp2
+    (1, 2, 2, 2, dict(sequence_parallel=True, cp_mode="ring")),   # pp x cp x tp+SP: what travels is seq/cp/tp
+    (2, 2, 1, 1, dict(zero_stage=1, pp_schedule="zb-h1")),        # ZeRO-1 with pp, as DeepSeek-V3
+    (2, 1, 1, 2, dict(zero_stage=2)),                             # ZeRO shards of tp shards
+    (2, 1, 1, 2, dict(zero_stage=3)),
+], ids=["dp2-pp2-tp2", "pp2-cp2-tp2-sp", "dp2-pp2-zero1-zbh1", "dp2-tp2-zero2", "dp2-tp2-zero3"])
+def test_axes_compose_and_equal_one_process(dp, pp, cp, tp, more):
+    """Several axes at once: the loss and the clipped gradient norm at every step (each gradient element
+    counted once over the whole mesh), the final weights and the evaluation equal one process's."""
+    steps = 10 if dp * pp * cp * tp == 8 and not more else 5
+    model = dataclasses.replace(SMALL, num_layers=4)
+    train = TrainConfig(micro_batch_size=2, grad_accum_steps=2, seq_len=32, steps=steps, warmup_steps=2,
+                        grad_clip=0.5)
+    parallel = Config(model=model, parallel=ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, **more), train=train)
+    single = Config(model=model, train=dataclasses.replace(train, micro_batch_size=2 * dp))
+    ranks = run(record_losses, dp * pp * cp * tp, args=(parallel, steps), timeout=240)
+    reference = record_losses(single, steps)
+    assert min(reference["grad_norm"]) > 0.5     # clipping was active at every step: the norm matters
+    assert_trains_like_one_process(ranks, reference, steps)
 
 
 def test_moe_aux_loss_reaches_training_and_flops_count_active_experts():
@@ -230,54 +265,82 @@ def test_command_line_overrides_and_config_file(tmp_path):
     assert parse_args(["--cp", "2"]).parallel.cp_mode == "zigzag"   # balanced by default
 
 
-def test_bad_configs_are_clear_errors(tmp_path):
+def _args(*argv):
+    return lambda: parse_args(list(argv))
+
+
+MOE = ["--preset", "tiny-moe"]
+# (what is wrong, how the config is built, the exception, the message it must contain). Each builds the config
+# and runs validate() (what Trainer and `python -m picotron.train` run first).
+BAD_CONFIGS = [
+    ("tp-heads", _args("--dp", "1", "--tp", "3"), ValueError, "tp=3 does not divide num_attention_heads=4"),
+    ("tp-vocab", lambda: Config(model=ModelConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                                                  intermediate_size=384), parallel=ParallelConfig(tp=3)),
+     ValueError, "tp=3 does not divide vocab_size=256"),
+    ("typo-field", lambda: Config.from_dict({"train": {"stpes": 3}}), ValueError, "unknown TrainConfig fields ['stpes']"),
+    ("unknown-section", lambda: Config.from_dict({"optim": {}}), ValueError, "unknown config sections ['optim']"),
+    ("unknown-preset", lambda: Config.from_dict({"model": {"preset": "gpt5"}}), ValueError, "unknown model preset 'gpt5'"),
+    ("bucket", _args("--dp", "1", "--bucket-mb", "-1"), ValueError, "bucket_mb=-1.0 must be >= 0"),
+    ("zero-stage", lambda: Config.from_dict({"parallel": {"zero_stage": 4}}), ValueError,
+     "zero_stage=4; choose 0 (plain data parallelism), 1"),
+    ("sp-without-tp", _args("--dp", "1", "--sp"), ValueError, "sequence_parallel=True needs tp > 1"),
+    ("sp-seq", _args("--dp", "1", "--tp", "2", "--sp", "--seq-len", "31"), ValueError, "seq_len=31 does not divide by it"),
+    ("sp-cp-seq", _args("--dp", "1", "--tp", "2", "--sp", "--cp", "2", "--cp-mode", "ring", "--seq-len", "34"),
+     ValueError, "does not divide by it; choose a seq_len that is a multiple of 4"),
+    ("interleaved-microbatches", _args("--dp", "1", "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages",
+                                       "2", "--grad-accum-steps", "3"),
+     ValueError, "grad_accum_steps=3 micro-batches do not divide by it"),
+    ("virtual-stages", _args("--dp", "1", "--pp", "2", "--virtual-stages", "2"), ValueError,
+     "pp_virtual_stages=2: use 1, or more with pp_schedule='interleaved'"),
+    ("pp-layers", _args("--dp", "1", "--pp", "8"), ValueError, "pp=8 is larger than num_layers=4"),
+    ("naive-microbatches", _args("--dp", "1", "--pp", "2", "--pp-schedule", "naive", "--grad-accum-steps", "2"),
+     ValueError, "pp_schedule='naive' runs one batch per step"),
+    ("ep-dense", _args("--dp", "2", "--ep", "2"), ValueError, "ep=2 needs a mixture-of-experts model"),
+    ("ep-dp", _args(*MOE, "--ep", "3"), ValueError, "ep=3 does not divide dp=4"),
+    ("cp-mode", lambda: Config.from_dict({"parallel": {"cp": 2, "cp_mode": "striped"}}), ValueError,
+     "cp_mode='striped' is not a context-parallel mode; choose one of ('ring', 'zigzag', 'ulysses')"),
+    ("zigzag-seq", _args("--dp", "1", "--cp", "4", "--seq-len", "36"), ValueError,
+     "seq_len=36 does not split for cp_mode='zigzag' (zig-zag cuts it into 2*cp = 8 chunks); choose a seq_len "
+     "that is a multiple of 8"),
+    ("ulysses-heads", _args("--dp", "1", "--cp", "4", "--cp-mode", "ulysses"), ValueError,
+     "cp=4 does not divide the 4 query and 2 key/value heads"),
+    ("ulysses-tp-heads", _args("--dp", "1", "--tp", "2", "--cp", "2", "--cp-mode", "ulysses"), ValueError,
+     "cp=2 does not divide the 2 query and 1 key/value heads per tp rank"),
+    ("seq-len", _args("--dp", "1", "--seq-len", "512"), ValueError, "seq_len=512 is longer than max_seq_len=256"),
+    ("zero3-pp", _args("--dp", "2", "--pp", "2", "--zero", "3"), ValueError,
+     "zero_stage=3 with pp>1: ZeRO-3 all-gathers a layer's weights for every forward and backward"),
+    ("zero2-pp-tied", _args("--dp", "2", "--pp", "2", "--zero", "2"), ValueError,
+     "zero_stage=2 with pp>1 and tie_word_embeddings=True"),
+    ("zero2-zbh1", _args("--dp", "2", "--pp", "2", "--zero", "2", "--pp-schedule", "zb-h1"), NotImplementedError,
+     "zero_stage=2 with pp_schedule='zb-h1'"),
+    ("moe-pp", _args(*MOE, "--dp", "2", "--pp", "2"), NotImplementedError, "pp=2 with an MoE model"),
+    ("moe-sp", _args(*MOE, "--dp", "2", "--tp", "2", "--sp"), NotImplementedError,
+     "sequence_parallel with an MoE model (tp=2) is not written"),
+    ("ep-zero", _args(*MOE, "--ep", "2", "--zero", "1"), NotImplementedError, "ep=2 with zero_stage=1 is not written"),
+    ("negative-axis", _args("--dp", "0"), ValueError, "dp=0 must be at least 1"),
+    ("model-choice", lambda: Config(model=ModelConfig(attention="flash")), ValueError,
+     "attention='flash'; choose one of ('sdpa', 'eager')"),
+]
+
+
+@pytest.mark.parametrize("make, error, message", [case[1:] for case in BAD_CONFIGS],
+                         ids=[case[0] for case in BAD_CONFIGS])
+def test_bad_configs_are_clear_errors(make, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        validate(make())
+
+
+def test_bad_config_kinds_and_where_they_are_caught():
+    assert len({case[0] for case in BAD_CONFIGS}) >= 15
+    with pytest.raises(ValueError, match=re.escape("dp*pp*cp*tp = 2*2*1*2 = 8 but the world has 4 ranks; change "
+                                                   "the sizes or launch 8 ranks")):
+        validate(parse_args(["--dp", "2", "--pp", "2", "--tp", "2"]), world_size=4)
     with pytest.raises(ValueError, match="tp=3 does not divide num_attention_heads=4"):
-        Trainer(parse_args(["--dp", "1", "--tp", "3"]))
-    with pytest.raises(ValueError, match="unknown TrainConfig fields \\['stpes'\\]"):
-        Config.from_dict({"train": {"stpes": 3}})
-    with pytest.raises(ValueError, match="bucket_mb=-1.0 must be >= 0"):
-        Trainer(parse_args(["--dp", "1", "--bucket-mb", "-1"]))
-    with pytest.raises(ValueError, match="unknown model preset 'gpt5'"):
-        Config.from_dict({"model": {"preset": "gpt5"}})
-    with pytest.raises(ValueError, match=r"zero_stage=4; choose 0 \(plain data parallelism\), 1"):
-        Trainer(Config.from_dict({"parallel": {"zero_stage": 4}}))
-    with pytest.raises(SystemExit):   # argparse: "argument --zero: invalid choice: 5"
-        parse_args(["--zero", "5"])
-    with pytest.raises(ValueError, match="tp=3 does not divide vocab_size=256"):
-        validate(Config(model=ModelConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
-                                          intermediate_size=384), parallel=ParallelConfig(tp=3)))
-    with pytest.raises(ValueError, match="sequence_parallel=True needs tp > 1"):
-        validate(parse_args(["--dp", "1", "--sp"]))
-    with pytest.raises(ValueError, match="seq_len=31 does not divide by it"):
-        validate(parse_args(["--dp", "1", "--tp", "2", "--sp", "--seq-len", "31"]))
-    with pytest.raises(ValueError, match="grad_accum_steps=3 micro-batches do not divide by it"):
-        validate(parse_args(["--dp", "1", "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
-                             "--grad-accum-steps", "3"]))
-    with pytest.raises(ValueError, match="pp_virtual_stages=2: use 1, or more with pp_schedule='interleaved'"):
-        validate(parse_args(["--dp", "1", "--pp", "2", "--virtual-stages", "2"]))
-    with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
-        validate(parse_args(["--dp", "2", "--ep", "2"]))
-    with pytest.raises(ValueError, match="ep=3 does not divide dp=4"):
-        validate(parse_args(["--preset", "tiny-moe", "--ep", "3"]))
-    with pytest.raises(NotImplementedError, match="pp=2 combines with data parallelism only"):
-        Trainer(parse_args(["--dp", "1", "--pp", "2", "--tp", "2"]))
-    with pytest.raises(NotImplementedError, match="zero_stage=1 with tp=2 is not supported yet"):
-        Trainer(parse_args(["--dp", "1", "--tp", "2", "--zero", "1"]))
-    with pytest.raises(ValueError, match=r"cp_mode='striped' is not a context-parallel mode; choose one of "
-                                         r"\('ring', 'zigzag', 'ulysses'\)"):
-        validate(Config.from_dict({"parallel": {"cp": 2, "cp_mode": "striped"}}))
-    with pytest.raises(ValueError, match=r"seq_len=36 does not split for cp_mode='zigzag' \(zig-zag cuts it into "
-                                         r"2\*cp = 8 chunks\); choose a seq_len that is a multiple of 8"):
-        validate(parse_args(["--dp", "1", "--cp", "4", "--seq-len", "36"]))
+        Trainer(parse_args(["--dp", "1", "--tp", "3"]))          # the trainer validates before building anything
+    for argv in (["--zero", "5"], ["--cp-mode", "striped"], ["--pp-schedule", "gpipe"]):
+        with pytest.raises(SystemExit):                          # argparse: "invalid choice"
+            parse_args(argv)
     validate(parse_args(["--dp", "1", "--cp", "4", "--cp-mode", "ring", "--seq-len", "36"]))   # 4 slices of 9
-    with pytest.raises(ValueError, match="cp=4 does not divide the 4 query and 2 key/value heads"):
-        validate(parse_args(["--dp", "1", "--cp", "4", "--cp-mode", "ulysses"]))
-    with pytest.raises(SystemExit):   # argparse: "argument --cp-mode: invalid choice"
-        parse_args(["--cp-mode", "striped"])
-    with pytest.raises(ValueError, match="cp=2 does not divide the 2 query and 1 key/value heads per tp rank"):
-        validate(parse_args(["--dp", "1", "--tp", "2", "--cp", "2", "--cp-mode", "ulysses"]))
-    with pytest.raises(ValueError, match=r"does not divide by it; choose a seq_len that is a multiple of 4"):
-        validate(parse_args(["--dp", "1", "--tp", "2", "--sp", "--cp", "2", "--cp-mode", "ring", "--seq-len", "34"]))
 
 
 def test_main_job_runs_two_ranks_from_the_command_line():
@@ -303,3 +366,41 @@ def test_under_torchrun_each_process_trains_in_place():
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step    2  loss" in result.stdout and "[rank" not in result.stdout  # no forked ranks
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(path: pathlib.Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_two_node_torchrun_on_localhost_matches_the_forked_run(tmp_path):
+    """Two torchrun "nodes" of 2 processes each meet through c10d rendezvous (as on a real cluster, with
+    localhost for the head node's address) and train dp2 x tp2: the same losses as the 4 forked ranks."""
+    common = ["-m", "picotron.train", "--dp", "2", "--tp", "2", "--steps", "4", "--micro-batch-size", "2",
+              "--seq-len", "32"]
+    forked = tmp_path / "forked.jsonl"
+    result = subprocess.run([sys.executable, *common, "--log-file", str(forked)], capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    nodes_log = tmp_path / "nodes.jsonl"
+    port = _free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "picotron-test"]
+    nodes = [subprocess.Popen([*torchrun, *common, "--log-file", str(nodes_log)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-2000:]
+    assert "[rank" not in "".join(out for out, _ in outputs)   # each process trained in place
+    assert len(_losses(nodes_log)) == 4                        # written once, by global rank 0
+    assert _losses(nodes_log) == pytest.approx(_losses(forked), abs=1e-6)

@@ -224,8 +224,9 @@ class _Executor:
     """Runs one rank's action list: receives, computes, sends, and records the timeline."""
 
     def __init__(self, schedule: Schedule, stages: list[Stage], mesh, inputs, targets, loss_fn,
-                 activation_shape, dtype, counter, on_grads_ready):
+                 activation_shape, dtype, counter, on_grads_ready, position_ids=None):
         self.schedule, self.mesh, self.loss_fn = schedule, mesh, loss_fn
+        self.position_ids = position_ids
         self.inputs, self.targets = inputs, targets
         self.activation_shape, self.dtype, self.counter = tuple(activation_shape), dtype, counter
         self.on_grads_ready = on_grads_ready
@@ -313,7 +314,7 @@ class _Executor:
         start = self._now()
         graph = _Graph(x, None)
         with _record_weight_ops(stage, graph.weight_ops, self.schedule.split_backward):
-            y = stage(x)
+            y = stage(x) if self.position_ids is None else stage(x, self.position_ids[microbatch])
         if stage.is_last:
             # Mean of the m micro-batch means: the loss of the whole batch (equal micro-batches).
             graph.root = self.loss_fn(y, self.targets[microbatch]) / self.schedule.num_microbatches
@@ -407,13 +408,16 @@ def _check_no_shared_weights(stages: list[nn.Module]) -> None:
 def run_schedule(schedule: Schedule, stages: list[Stage], mesh, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, loss_fn: Callable, activation_shape: tuple[int, ...], *,
                  dtype: torch.dtype = torch.float32, counter: CommCounter | None = None,
+                 position_ids: list[torch.Tensor] | None = None,
                  on_grads_ready: Callable[[int], None] | None = None) -> StepResult:
     """Run this rank's part of one step of `schedule`: gradients of loss / m summed over the micro-batches.
 
     inputs: the m micro-batches' inputs (used on the rank holding stage 0; others may pass None).
     targets: their targets (used on the rank holding the last stage). loss_fn(output, target) is the
     mean loss of one micro-batch; it is divided by m here. activation_shape: what travels between
-    stages, e.g. (micro_batch, seq, hidden). on_grads_ready(stage): called when a stage's gradients
+    stages, e.g. (micro_batch, seq, hidden). position_ids: the m micro-batches' token positions, for
+    every stage's rotary embedding (None: 0..seq-1; context parallelism passes its slice's positions).
+    on_grads_ready(stage): called when a stage's gradients
     are final (after its last micro-batch's backward), the moment a data-parallel all-reduce of that
     stage could start; or sync after this returns. Gradients accumulate into .grad like backward().
     """
@@ -433,7 +437,7 @@ def run_schedule(schedule: Schedule, stages: list[Stage], mesh, inputs: list[tor
     if schedule.split_backward:
         _check_no_shared_weights(stages)
     executor = _Executor(schedule, stages, mesh, inputs, targets, loss_fn, activation_shape, dtype, counter,
-                         on_grads_ready)
+                         on_grads_ready, position_ids)
     return executor.run()
 
 

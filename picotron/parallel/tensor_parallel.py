@@ -420,12 +420,13 @@ def _check_divides(tp: int, **sizes: int) -> None:
                              f"{', '.join(f'{n}={v}' for n, v in sizes.items())})")
 
 
-def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
+def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
     """Raise ValueError if the model cannot be split over tp ranks (whole heads, equal shards)."""
-    if config.num_experts and tp > 1:
-        raise NotImplementedError(f"tp={tp} with an MoE model (num_experts={config.num_experts}): tensor parallelism "
-                                  f"of expert layers is not written; split the experts with expert parallelism "
-                                  f"(picotron/parallel/expert_parallel.py) and use tp=1")
+    if config.num_experts and tp > 1 and sequence_parallel:
+        raise NotImplementedError(f"sequence parallelism with an MoE model (tp={tp}, num_experts="
+                                  f"{config.num_experts}) is not written: each tp rank would route its own slice "
+                                  f"of the sequence, and the experts' gradients and the balancing loss's load "
+                                  f"would have to be summed over the tp ranks too; use tp without sequence_parallel")
     _check_divides(tp, num_attention_heads=config.num_attention_heads,
                    num_key_value_heads=config.num_key_value_heads,
                    intermediate_size=config.intermediate_size, vocab_size=config.vocab_size)
@@ -455,9 +456,13 @@ def parallelize_layer(layer: DecoderLayer, group, *, sequence_parallel: bool = F
     Input and output: (batch, seq, hidden) on every rank, or (batch, seq/t, hidden) under SP.
     """
     tp, attn, mlp = dist.get_world_size(group), layer.attn, layer.mlp
+    moe = hasattr(mlp, "router")     # a mixture of experts (chapter 07): left whole, see below
+    if moe and sequence_parallel:
+        raise NotImplementedError("sequence parallelism with a mixture-of-experts layer is not written; use tp "
+                                  "without sequence_parallel")
     _check_divides(tp, num_attention_heads=attn.q_proj.out_features // attn.head_dim,
                    num_key_value_heads=attn.k_proj.out_features // attn.head_dim,
-                   intermediate_size=mlp.gate_proj.out_features)
+                   **({} if moe else {"intermediate_size": mlp.gate_proj.out_features}))
     column = dict(sequence_parallel=sequence_parallel, enter_region=False, counter=counter)
     row = dict(sequence_parallel=sequence_parallel, counter=counter)
     # Attention computes its head counts from these Linears' sizes: n_q/t and n_kv/t heads here.
@@ -465,12 +470,18 @@ def parallelize_layer(layer: DecoderLayer, group, *, sequence_parallel: bool = F
     attn.k_proj = ColumnParallelLinear(attn.k_proj, group, **column)
     attn.v_proj = ColumnParallelLinear(attn.v_proj, group, **column)
     attn.o_proj = RowParallelLinear(attn.o_proj, group, **row)
-    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group, **column)
-    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, **column)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, group, **row)
     # One entry per block, shared by the Linears that read its input.
     _enter_region_on_input(attn, group, sequence_parallel, counter)
-    _enter_region_on_input(mlp, group, sequence_parallel, counter)
+    if not moe:
+        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group, **column)
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, **column)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group, **row)
+        _enter_region_on_input(mlp, group, sequence_parallel, counter)
+    # An MoE block stays whole: after the attention's row-parallel all-reduce every tp rank holds the
+    # same residual stream, so each runs the router and its experts on all tokens itself (the same
+    # numbers, hence the same gradients, on every tp rank). Tensor parallelism thus splits the
+    # attention part, and the experts are split by expert parallelism over the dp ranks instead
+    # (each tp rank has its own ep groups), as Megatron-LM's expert-tensor-parallel size 1 does.
     if sequence_parallel:
         for norm in (layer.attn_norm, layer.mlp_norm):
             _sum_grad_over_tp(norm.weight, group, counter)
@@ -487,7 +498,7 @@ def apply_tensor_parallel(model: Llama, mesh, sequence_parallel: bool = False, *
     Under SP the embedding reduce-scatters the sequence, so the layers and the final norm see
     (batch, seq/tp, hidden), and the LM head all-gathers it back. counter: mesh.counter by default.
     """
-    check_tensor_parallel(model.config, mesh.tp_size)
+    check_tensor_parallel(model.config, mesh.tp_size, sequence_parallel)
     group = mesh.tp_group
     counter = mesh.counter if counter is None else counter
     tied = model.lm_head.weight is model.embed.weight

@@ -416,16 +416,42 @@ class ZeroOptimizer:
         Each rank holds 1/N of the gradient (stages 1-3): the squared norms of the shards add up
         over the group, one 4-byte all-reduce. Same rule as torch.nn.utils.clip_grad_norm_.
         """
-        if not self._grads_ready:
-            self.finish_gradient_sync()
-        squares = sum(g.master.grad.pow(2).sum() for g in self.groups)
+        squares = self.gradient_squares()
         if self.stage > 0:
             comm.all_reduce(squares, self.group, counter=self.counter)
         norm = squares.sqrt()
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self.scale_gradients(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    @torch.no_grad()
+    def gradient_squares(self, counted: Callable[[nn.Parameter], bool] | None = None) -> torch.Tensor:
+        """This rank's part of ||g||^2: the sum of squares of the averaged gradient it holds (its shard at
+        stages 1-3), over the parameters `counted` accepts (default: all).
+
+        A model split another way too (tensor or pipeline parallelism) has weights that several of
+        these groups hold alike (a norm weight on every tp rank): the trainer counts those on one
+        rank only, which needs the parameters' boundaries inside the flat shard.
+        """
+        if not self._grads_ready:
+            self.finish_gradient_sync()
+        total = torch.zeros((), dtype=torch.float32, device=self.groups[0].master.device)
+        for g in self.groups:
+            grad = g.master.grad                                       # (S,): elements start..start+S of full
+            if counted is None:
+                total += grad.float().square().sum()
+                continue
+            start = 0 if self.stage == 0 else self.rank * g.shard_numel
+            for param, offset, view in zip(g.params, g.offsets, g.views):   # (ZeRO-3: param may be freed)
+                lo, hi = max(offset, start), min(offset + view.numel(), start + g.shard_numel)
+                if lo < hi and counted(param):                         # the part of param in this shard
+                    total += grad[lo - start:hi - start].float().square().sum()
+        return total
+
+    @torch.no_grad()
+    def scale_gradients(self, scale: torch.Tensor) -> None:
+        """Multiply the gradient the optimizer will read by `scale` (clipping)."""
         for g in self.groups:
             g.master.grad.mul_(scale)
-        return norm
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.no_grad()
