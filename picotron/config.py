@@ -39,6 +39,7 @@ class ModelConfig:
     init_std: float = 0.02
     attention: str = "sdpa"               # "sdpa" (fused, never stores seq x seq scores) or "eager"
     recompute: str = "none"               # activation recomputation: "none", "selective" or "full"
+    norm_impl: str = "torch"              # RMSNorm computed by "torch" ops or by picotron's "triton" kernels (ch. 09)
     # Mixture of experts (picotron.model.MoE, chapter 07): 0 keeps the dense SwiGLU MLP in every layer.
     num_experts: int = 0                  # > 0: MoE layers with this many SwiGLU experts of intermediate_size
     experts_per_token: int = 2            # top-k: experts each token is sent to
@@ -90,6 +91,7 @@ class ModelConfig:
 
 ATTENTION_CHOICES = ("sdpa", "eager")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+NORM_IMPLS = ("torch", "triton")
 
 
 def check_model_choices(model: ModelConfig) -> None:
@@ -99,6 +101,9 @@ def check_model_choices(model: ModelConfig) -> None:
     if model.recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute={model.recompute!r}; choose one of {RECOMPUTE_CHOICES} "
                          f"(selective: recompute the attention core, full: recompute whole layers)")
+    if model.norm_impl not in NORM_IMPLS:
+        raise ValueError(f"norm_impl={model.norm_impl!r}; choose one of {NORM_IMPLS} (triton: picotron.kernels, "
+                         f"interpreted on a CPU)")
     check_moe(model)
 
 
@@ -198,6 +203,9 @@ class TrainConfig:
     backend: str = "auto"                 # "auto", "gloo" or "nccl"
     bucket_mb: float = 25.0               # MiB per data-parallel gradient bucket (0: one per parameter)
     log_file: str = ""                    # a path: rank 0 appends one JSON line per step (loss, tokens/s, MFU)
+    save_dir: str = ""                    # checkpoints go to save_dir/step_NNNNNN (picotron.checkpoint, DCP)
+    save_every: int = 0                   # steps between checkpoints (0: only after the last step, if save_dir)
+    resume: str = ""                      # a checkpoint directory to start from (any layout: it is resharded)
 
     @property
     def tokens_per_step(self) -> int:
@@ -366,6 +374,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
     check_combination(m, p)
     if t.micro_batch_size < 1 or t.grad_accum_steps < 1 or t.steps < 0:
         raise ValueError("micro_batch_size and grad_accum_steps must be >= 1 and steps >= 0")
+    if t.save_every < 0:
+        raise ValueError(f"save_every={t.save_every} must be >= 0 (0: save only after the last step)")
     if t.bucket_mb < 0:
         raise ValueError(f"bucket_mb={t.bucket_mb} must be >= 0 (0: one all-reduce bucket per parameter)")
     if t.backend not in ("auto", "gloo", "nccl"):

@@ -61,6 +61,14 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def make_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """The RMSNorm of config.norm_impl: torch ops, or the Triton kernels of chapter 09 (same weight and eps)."""
+    if config.norm_impl == "triton":
+        from picotron.kernels import TritonRMSNorm   # imports triton: only when asked for
+        return TritonRMSNorm(dim, config.rms_norm_eps)
+    return RMSNorm(dim, config.rms_norm_eps)
+
+
 # ---- Rotary position embedding (RoPE, Su et al. 2021, arXiv:2104.09864) ----------------------
 
 def rope_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -376,9 +384,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_index: int = 0):
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_norm = make_norm(config, config.hidden_size)
         self.attn = Attention(config)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp_norm = make_norm(config, config.hidden_size)
         self.mlp = MoE(config) if config.is_moe_layer(layer_index) else MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -396,7 +404,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rope = Rotary(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_weights()   # also ties lm_head.weight to embed.weight when configured
 

@@ -10,6 +10,8 @@
     python -m picotron.train --preset tiny-moe --ep 4  # mixture of experts, 2 of 8 experts on each of 4 ranks
     python -m picotron.train --config configs/tiny_5d_8ranks.json   # dp2 x pp2 x tp2 (+SP, ZeRO-1): 8 ranks
     python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
+    python -m picotron.train --steps 100 --save-dir ckpt --save-every 50      # checkpoints (DCP), then:
+    python -m picotron.train --steps 200 --dp 2 --tp 2 --resume ckpt/step_000100   # resume, in another layout
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
 Without torchrun it starts the ranks itself (picotron.launch.run); under torchrun each
@@ -45,6 +47,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -54,7 +57,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from picotron import comm, launch
+from picotron import checkpoint, comm, launch
 from picotron.config import CP_MODES, PP_SCHEDULES, PRESETS, Config, ModelConfig, ParallelConfig, validate
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
@@ -381,8 +384,12 @@ def train(config: Config, *, progress: bool = True) -> dict:
         print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
               f"dp={p.dp}{zero}{tp_text}{cp_text}, {tokens_per_step} tokens per step; MFU against {peak_source} "
               f"({peak / 1e9:.1f} GFLOP/s per rank)")
-    log = open(config.train.log_file, "a") if is_logger and config.train.log_file else None
-    bar = tqdm(range(config.train.steps), disable=not (progress and is_logger), file=sys.stdout,
+    t = config.train
+    start = checkpoint.load(trainer, t.resume) if t.resume else 0    # every rank reads its part
+    if is_logger and t.resume:
+        print(f"resumed from {t.resume} at step {start}")
+    log = open(t.log_file, "a") if is_logger and t.log_file else None
+    bar = tqdm(range(start, t.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
     for step in bar:
         result = trainer.train_step(step)
@@ -396,10 +403,13 @@ def train(config: Config, *, progress: bool = True) -> dict:
             log.write(json.dumps({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
                                   "tokens_per_s": tokens_per_s, "mfu": mfu}) + "\n")
             log.flush()
-        last = step == config.train.steps - 1
-        if is_logger and (step % config.train.log_every == 0 or last):
+        last = step == t.steps - 1
+        if is_logger and (step % t.log_every == 0 or last):
             bar.write(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  "
                       f"{tokens_per_s:9,.0f} tok/s  MFU {mfu:6.2%}")
+        if t.save_dir and (last or (t.save_every and (step + 1) % t.save_every == 0)):
+            # A new directory per checkpoint: overwriting one in place is not atomic. Every rank writes its part.
+            checkpoint.save(trainer, os.path.join(t.save_dir, f"step_{step + 1:06d}"), step + 1)
     bar.close()
     if log:
         log.close()
@@ -441,15 +451,21 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--recompute", choices=["none", "selective", "full"],
                         help="activation recomputation (chapter 01)")
     parser.add_argument("--attention", choices=["sdpa", "eager"], help="fused attention or the eager scores")
+    parser.add_argument("--norm-impl", dest="norm_impl", choices=["torch", "triton"],
+                        help="RMSNorm by torch ops or by picotron's Triton kernels (chapter 09; interpreted on a CPU)")
     parser.add_argument("--dataset", help="'arithmetic' (built in) or a .txt/.jsonl file or folder")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"])
     parser.add_argument("--log-file", dest="log_file", help="rank 0 appends one JSON line per step to this file")
+    parser.add_argument("--save-dir", dest="save_dir", help="write checkpoints to SAVE_DIR/step_NNNNNN (DCP)")
+    parser.add_argument("--save-every", dest="save_every", type=int,
+                        help="steps between checkpoints (default: only after the last step)")
+    parser.add_argument("--resume", help="a checkpoint directory to continue from, saved with any layout")
     args = parser.parse_args(argv)
 
     config = Config.from_json(args.config) if args.config else Config(parallel=ParallelConfig(dp=4))
     if args.preset:
         config.model = ModelConfig.preset(args.preset)
-    for name in ("recompute", "attention"):
+    for name in ("recompute", "attention", "norm_impl"):
         if getattr(args, name) is not None:
             config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
     for axis in ("dp", "pp", "cp", "tp", "ep", "zero_stage", "sequence_parallel", "cp_mode", "pp_schedule",

@@ -404,3 +404,23 @@ def test_two_node_torchrun_on_localhost_matches_the_forked_run(tmp_path):
     assert "[rank" not in "".join(out for out, _ in outputs)   # each process trained in place
     assert len(_losses(nodes_log)) == 4                        # written once, by global rank 0
     assert _losses(nodes_log) == pytest.approx(_losses(forked), abs=1e-6)
+
+
+def test_command_line_checkpoints_resume_bit_identical_and_in_another_layout(tmp_path):
+    """--save-dir/--save-every write DCP checkpoints; --resume continues the same loss curve bit for bit in
+    the same layout (dp2), and within float round-off in another (tp2), the checkpoint being resharded."""
+    common = ["-m", "picotron.train", "--steps", "4", "--micro-batch-size", "2", "--seq-len", "32"]
+
+    def train(*argv, log):
+        result = subprocess.run([sys.executable, *common, *argv, "--log-file", str(tmp_path / log)],
+                                capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return _losses(tmp_path / log)
+
+    uninterrupted = train("--dp", "2", "--save-dir", str(tmp_path / "ckpt"), "--save-every", "2", log="a.jsonl")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000002", "step_000004"]
+    resumed = train("--dp", "2", "--resume", str(tmp_path / "ckpt" / "step_000002"), log="b.jsonl")
+    assert resumed == uninterrupted[2:]                                  # bit-identical
+    resharded = train("--dp", "1", "--tp", "2", "--micro-batch-size", "4", "--resume",
+                      str(tmp_path / "ckpt" / "step_000002"), log="c.jsonl")
+    assert resharded == pytest.approx(uninterrupted[2:], abs=1e-5)
