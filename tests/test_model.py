@@ -1,5 +1,6 @@
 """The Llama decoder: shapes, causality, parameter count, and logits equal to transformers' Llama."""
 
+import dataclasses
 import json
 import math
 
@@ -232,3 +233,25 @@ def test_dense_model_has_no_aux_loss():
 def test_bad_moe_settings_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         small_model(**{**MOE, **change})
+
+
+def test_triton_norms_by_config_compute_what_torch_norms_compute():
+    """norm_impl="triton" builds picotron.kernels.TritonRMSNorm (the Triton interpreter on a CPU): the same
+    state dict, loss and gradients as the torch RMSNorm."""
+    pytest.importorskip("triton")
+    config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2)
+    torch.manual_seed(0)
+    plain = Llama(config)
+    kernels = Llama(dataclasses.replace(config, norm_impl="triton"))
+    kernels.load_state_dict(plain.state_dict())
+    assert type(kernels.norm).__name__ == "TritonRMSNorm" and type(plain.norm).__name__ == "RMSNorm"
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses = [loss_fn(m(ids[:, :-1]), ids[:, 1:]) for m in (plain, kernels)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(plain.named_parameters(), kernels.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="norm_impl='cuda'; choose one of \\('torch', 'triton'\\)"):
+        Llama(dataclasses.replace(config, norm_impl="cuda"))

@@ -1,0 +1,143 @@
+"""What a GPU is made of, and the two numbers that bound every kernel: peak FLOP/s and bandwidth.
+
+An H100 SXM has 132 streaming multiprocessors (SMs). Each SM runs up to 64 warps of 32 threads,
+holds 65,536 32-bit registers (256 KB) and 256 KB of L1 cache that a kernel can partly use as
+*shared memory* (up to 228 KB per SM); the SMs share a 50 MB L2 cache, and behind it 80 GB of HBM3
+at 3.35 TB/s. Its tensor cores do 989 TFLOP/s of dense bf16 matmul. (NVIDIA H100 Tensor Core GPU
+datasheet, and the NVIDIA H100 Tensor Core GPU Architecture whitepaper, 2022.)
+
+The roofline (Williams, Waterman & Patterson 2009, "Roofline: an insightful visual performance
+model", CACM 52(4)): a kernel that does F FLOPs while moving B bytes to and from memory has
+arithmetic intensity I = F / B and can run at most at
+
+    min(peak FLOP/s, I * bandwidth)
+
+so it is memory-bound when I < peak / bandwidth (the *ridge point*: 295 FLOP/B for an H100 in
+bf16) and compute-bound above. An elementwise op has I < 1; a (n x n) @ (n x n) bf16 matmul has
+I = 2n^3 / (3 * 2 n^2) = n/3.
+
+Memory is read in 32-byte sectors (CUDA C++ Best Practices Guide, "Coalesced Access to Global
+Memory"): when the 32 threads of a warp read 32 consecutive fp32 values, the 128 bytes come in 4
+sectors; when each reads a value from a different row, 32 sectors are fetched for the same 128
+useful bytes. `sectors_per_warp` counts them for any pattern of offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["GPUSpec", "H100_SXM", "H200", "roofline", "arithmetic_intensity", "sectors_per_warp",
+           "OpTraffic", "count_traffic"]
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Spec-sheet figures of one GPU (dense: without 2:4 sparsity)."""
+
+    name: str
+    sms: int
+    hbm_bytes: float
+    hbm_bandwidth: float          # bytes/s
+    bf16_flops: float             # dense tensor-core FLOP/s
+    fp32_flops: float             # FLOP/s on the CUDA cores, no tensor cores
+    l2_bytes: float
+    shared_per_sm: int            # largest shared memory one SM gives its blocks, bytes
+    registers_per_sm: int         # 32-bit registers
+    max_warps_per_sm: int
+    source: str
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOPs per byte above which bf16 matmul work is compute-bound."""
+        return self.bf16_flops / self.hbm_bandwidth
+
+
+H100_SXM = GPUSpec(
+    name="H100 SXM5 80GB", sms=132, hbm_bytes=80e9, hbm_bandwidth=3.35e12, bf16_flops=989e12, fp32_flops=67e12,
+    l2_bytes=50e6, shared_per_sm=228 * 1024, registers_per_sm=65536, max_warps_per_sm=64,
+    source="NVIDIA H100 Tensor Core GPU datasheet (bandwidth, FLOP/s: 1,979 TFLOP/s bf16 with sparsity, "
+           "989 dense); NVIDIA H100 Tensor Core GPU Architecture whitepaper (SMs, L2, registers, shared memory)")
+
+H200 = GPUSpec(
+    name="H200 SXM 141GB", sms=132, hbm_bytes=141e9, hbm_bandwidth=4.8e12, bf16_flops=989e12, fp32_flops=67e12,
+    l2_bytes=50e6, shared_per_sm=228 * 1024, registers_per_sm=65536, max_warps_per_sm=64,
+    source="NVIDIA H200 Tensor Core GPU datasheet (141 GB HBM3e, 4.8 TB/s; the H100's compute)")
+
+
+def roofline(intensity: float, peak_flops: float, bandwidth: float) -> float:
+    """The most FLOP/s a kernel of `intensity` FLOP/B can reach: min(peak, intensity * bandwidth)."""
+    return min(peak_flops, intensity * bandwidth)
+
+
+def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
+    return flops / bytes_moved
+
+
+def sectors_per_warp(offsets: torch.Tensor, element_size: int, sector: int = 32, warp: int = 32) -> float:
+    """Mean number of `sector`-byte memory sectors each warp touches when thread i reads element offsets[i].
+
+    offsets: (threads,) element indices in the order threads are numbered. Coalesced fp32 reads give
+    4 sectors per warp (128 B); a read that puts every thread in a different sector gives 32.
+    """
+    offsets = offsets.flatten().long()
+    warps = offsets.numel() // warp
+    if warps == 0:
+        raise ValueError(f"need at least one warp of {warp} offsets, got {offsets.numel()}")
+    per_warp = (offsets[: warps * warp] * element_size // sector).view(warps, warp)
+    return sum(len(torch.unique(row)) for row in per_warp) / warps
+
+
+@dataclass
+class OpTraffic:
+    """One aten op as eager PyTorch runs it: a kernel that reads its inputs and writes its outputs."""
+
+    name: str
+    bytes_read: int
+    bytes_written: int
+
+
+class _TrafficMode(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[OpTraffic] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _FREE:
+            return out
+        read = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs or {})))
+        written = sum(t.numel() * t.element_size() for t in _tensors(out))
+        self.ops.append(OpTraffic(str(func.overloadpacket.__name__), read, written))
+        return out
+
+
+# Ops that move no data: they only make a new view of the same memory.
+_FREE = {torch.ops.aten.view, torch.ops.aten._unsafe_view, torch.ops.aten.expand, torch.ops.aten.t,
+         torch.ops.aten.transpose, torch.ops.aten.unsqueeze, torch.ops.aten.squeeze, torch.ops.aten.detach,
+         torch.ops.aten.alias, torch.ops.aten.slice, torch.ops.aten.select, torch.ops.aten.permute,
+         torch.ops.aten.as_strided, torch.ops.aten.reshape}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def count_traffic(fn: Callable, *args, **kwargs) -> tuple[object, list[OpTraffic]]:
+    """Run fn(*args, **kwargs) and list the kernels eager PyTorch launched, with the bytes each moved.
+
+    Counts what each aten op reads (its input tensors) and writes (its outputs): real tensors, the
+    traffic a GPU would see if nothing stayed in cache. Views are free and not listed.
+    """
+    with _TrafficMode() as mode:
+        out = fn(*args, **kwargs)
+    return out, mode.ops

@@ -1,0 +1,195 @@
+"""RMSNorm in Triton, forward and backward, and `TritonRMSNorm`, a drop-in for picotron.model.RMSNorm.
+
+    y = w * (x * r),   r = 1 / sqrt(mean_j x_j^2 + eps)     (per row; Zhang & Sennrich 2019, arXiv:1910.07467)
+
+picotron.model.RMSNorm writes it as six torch ops (float, pow, mean, add + rsqrt, multiply, cast,
+multiply by w); in eager mode each is a kernel that reads its input from memory and writes its
+output, and autograd keeps several of those outputs for backward. Here one forward kernel reads x
+once and writes y once, and keeps for backward only x and r (4 bytes per row).
+
+Backward, with x^ = x r and g = dL/dy (derivation in chapter 09):
+
+    dL/dw = sum over rows of g * x^
+    dL/dx = r * (g w - x^ * mean_j(g_j w_j x^_j))
+
+    v1  rmsnorm_fwd_row_kernel  forward, one row per program (the assignment writes this one)
+    v2  rmsnorm_fwd_kernel      forward, a tile of ROWS rows per program (fewer programs for narrow rows)
+        rmsnorm_bwd_kernel      backward: dx row by row, and each program's partial sum of dw over the
+                                rows it visits (grid-stride, coarsened); torch adds the few partial rows
+
+Arithmetic in fp32 whatever the input dtype, as picotron.model.RMSNorm does; x^ is rounded to x's
+dtype before the weight multiplies it, as there, so the two agree in bf16 too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from picotron.kernels import INTERPRETED
+from picotron.kernels.timing import check_device
+from picotron.model import RMSNorm
+
+__all__ = ["rmsnorm_fwd_row_kernel", "rmsnorm_fwd_kernel", "rmsnorm_bwd_kernel", "rms_norm_forward",
+           "rms_norm_backward", "RMSNormFunction", "rms_norm", "TritonRMSNorm", "rmsnorm_bytes"]
+
+
+# ---- v1: forward, one row per program --------------------------------------------------------
+@triton.jit
+def rmsnorm_fwd_row_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    # Padding lanes hold 0: they add nothing to the sum of squares, and the mean divides by n_cols.
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)   # rounded like the torch module
+    tl.store(out_ptr + row * out_row_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(rstd_ptr + row, rstd)
+
+
+# ---- v2: forward, a tile of rows per program --------------------------------------------------
+@triton.jit
+def rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, n_cols, x_row_stride, out_row_stride, eps,
+                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)          # (ROWS,)
+    cols = tl.arange(0, BLOCK)                                    # (BLOCK,)
+    row_inside = rows < n_rows
+    inside = row_inside[:, None] & (cols[None, :] < n_cols)       # (ROWS, BLOCK)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)   # (ROWS,)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)   # read once per program
+    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], y, mask=inside)
+    tl.store(rstd_ptr + rows, rstd, mask=row_inside)
+
+
+# ---- backward ---------------------------------------------------------------------------------
+@triton.jit
+def rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
+                       dy_row_stride, x_row_stride, dx_row_stride, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    col_inside = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_inside, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)      # this program's share of dL/dw, kept in registers
+    # Grid-stride over tiles of rows: every program visits many rows, so dw is written once per program
+    # (a few rows of partial sums) instead of once per row of x.
+    for tile in range(pid, (n_rows + ROWS - 1) // ROWS, programs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        inside = (rows[:, None] < n_rows) & col_inside[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
+        x_hat = x * rstd[:, None]
+        dw += tl.sum(dy * x_hat, axis=0)
+        g = dy * w[None, :]                                                   # dL/dx^
+        mean_gx = tl.sum(g * x_hat, axis=1) / n_cols                          # (ROWS,)
+        dx = rstd[:, None] * (g - x_hat * mean_gx[:, None])
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=inside)
+    tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_inside)
+
+
+# ---- launchers --------------------------------------------------------------------------------
+def _tile(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK, ROWS, num_warps): the row padded to a power of two, and rows per program for ~4096 elements."""
+    block = triton.next_power_of_2(n_cols)
+    rows = max(1, min(64, 4096 // block))
+    warps = 4 if INTERPRETED or rows * block <= 2048 else 8 if rows * block <= 8192 else 16
+    return block, rows, warps
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, n) with a contiguous last dimension -> y (rows, n), rstd (rows,) fp32 (v2 kernel).
+
+    y's dtype is what `weight * x` gives in torch (picotron.model.RMSNorm's output dtype)."""
+    n_rows, n_cols = x.shape
+    if weight.shape != (n_cols,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({n_cols},) for rows of {n_cols}")
+    check_device(x, weight)
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows:
+        block, rows, warps = _tile(n_cols)
+        rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows),)](x, weight, out, rstd, n_rows, n_cols, x.stride(0),
+                                                         out.stride(0), eps, ROWS=rows, BLOCK=block, num_warps=warps)
+    return out, rstd
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dL/dy (rows, n), saved x and rstd -> dL/dx (x's dtype), dL/dw (weight's dtype)."""
+    n_rows, n_cols = x.shape
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx = torch.empty_like(x)
+    block, rows, warps = _tile(n_cols)
+    tiles = triton.cdiv(n_rows, rows)
+    # Enough programs to fill the GPU (2 per SM), few enough that adding their partial dw rows is cheap.
+    most = 4 if INTERPRETED else 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
+    programs = max(1, min(tiles, most))
+    dw_partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
+    if n_rows:
+        rmsnorm_bwd_kernel[(programs,)](dy, x, weight, rstd, dx, dw_partial, n_rows, n_cols, dy.stride(0), x.stride(0),
+                                        dx.stride(0), ROWS=rows, BLOCK=block, num_warps=warps)
+    return dx, dw_partial.sum(dim=0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm over the last dimension with Triton kernels both ways; saves x and one fp32 rstd per row."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])                 # (rows, n): a view when x is contiguous
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y, rstd = rms_norm_forward(rows, weight, eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy.reshape(rows.shape), rows, weight, rstd)
+        return dx.view(dy.shape), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension, differentiable in x and weight, with Triton kernels."""
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+class TritonRMSNorm(RMSNorm):
+    """picotron.model.RMSNorm computed by Triton kernels: the same `weight` and `eps`, the same state dict.
+
+    A subclass, so code that looks for norms (`isinstance(m, RMSNorm)`, e.g. Llama.init_weights) finds
+    it. On a machine without a GPU the kernels run in the Triton interpreter: correct, and slow.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, {'interpreted' if INTERPRETED else 'compiled'} Triton"
+
+    @classmethod
+    def from_torch(cls, norm: nn.Module) -> "TritonRMSNorm":
+        """A TritonRMSNorm holding `norm`'s weight (the same Parameter) and eps."""
+        new = cls(norm.weight.shape[0], norm.eps)
+        new.weight = norm.weight
+        return new
+
+
+def rmsnorm_bytes(n_rows: int, n_cols: int, element_size: int, backward: bool = False) -> int:
+    """Bytes the kernels move: forward reads x and w, writes y and rstd; backward reads dy, x, w, rstd,
+    writes dx and the partial dw rows (not counted: a few rows)."""
+    if backward:
+        return 3 * n_rows * n_cols * element_size + n_cols * element_size + 4 * n_rows
+    return 2 * n_rows * n_cols * element_size + n_cols * element_size + 4 * n_rows

@@ -1,0 +1,460 @@
+"""picotron.kernels: every kernel against torch, in the Triton interpreter on a CPU and compiled on a GPU.
+
+Without a GPU the kernels run in the interpreter (small sizes: it executes each program in Python);
+with one they compile, and the tests marked `gpu` add larger sizes, bf16 and the comparison with
+torch's own kernels (skipped here). `test_every_kernel_compiles_for_an_h100` needs no GPU: Triton
+compiles to sm_90 machine code without one, which catches what only the compiler rejects.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import picotron.kernels as kernels
+from picotron.kernels import INTERPRETED, TritonRMSNorm, flash_attention, kernel_device, rms_norm, softmax
+from picotron.kernels import add, attention, gpu, rmsnorm, row_softmax, timing
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = kernel_device()
+ON_GPU = torch.cuda.is_available() and not INTERPRETED
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the kernels compile there)")
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environment.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT,
+                          env=environment, timeout=300)
+
+
+# ---- importing --------------------------------------------------------------------------------------
+def test_the_rest_of_picotron_does_not_import_triton():
+    # Module names from the files (pkgutil.walk_packages would import picotron.kernels to look inside it).
+    names = sorted(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                   for path in (ROOT / "picotron").rglob("*.py"))
+    names = [name for name in names if not name.startswith(("picotron.kernels", "picotron.course.checks_kernels"))]
+    assert "picotron.model" in names and "picotron.train" in names
+    done = _python(f"""
+        import importlib, sys
+        for name in {names!r}:
+            importlib.import_module(name)
+        assert "triton" not in sys.modules, [name for name in sys.modules if name.startswith("triton")]
+        print("clean")
+    """)
+    assert done.returncode == 0 and "clean" in done.stdout, done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without a GPU")
+@pytest.mark.parametrize("first", ["import triton", "import torch._dynamo", "pass"])
+def test_kernels_work_whatever_was_imported_first(first):
+    """torch._dynamo (imported by the first optimizer step and by torch.compile) imports triton before
+    TRITON_INTERPRET is set."""
+    done = _python(f"""
+        import torch
+        {first}
+        import picotron.kernels as k
+        x = torch.randn(5, 37)
+        torch.testing.assert_close(k.softmax(x), torch.softmax(x, -1))
+        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        torch.testing.assert_close(k.rms_norm(x, torch.ones(37), 1e-5), expected)
+        import os; print("interpreted", k.INTERPRETED, os.environ["TRITON_INTERPRET"])
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "interpreted True 1" in done.stdout
+
+
+def _norm_on_rank(width):
+    import torch.distributed as dist
+    from picotron.kernels import rms_norm as triton_rms_norm
+    x = torch.randn(3, width) + dist.get_rank()
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    return (triton_rms_norm(x, torch.ones(width), 1e-5) - expected).abs().max().item()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="ranks run on CPU tensors, which compiled kernels refuse")
+def test_kernels_run_in_forked_ranks():
+    from picotron.launch import run
+    errors = run(_norm_on_rank, 2, args=(24,), timeout=120)
+    assert len(errors) == 2 and max(errors) < 1e-5
+
+
+# ---- vector add ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 1000, 4097])
+@pytest.mark.parametrize("version", [add.vector_add, add.vector_add_grid_stride, add.vector_add_autotuned],
+                         ids=["v1", "v2_grid_stride", "v3_autotuned"])
+def test_vector_add(version, n):
+    x, y = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    torch.testing.assert_close(version(x, y), x + y, atol=0, rtol=0)
+
+
+def test_grid_stride_with_one_program_covers_everything():
+    x, y = torch.randn(3000, device=DEVICE), torch.randn(3000, device=DEVICE)
+    torch.testing.assert_close(add.vector_add_grid_stride(x, y, block=256, programs=1), x + y, atol=0, rtol=0)
+
+
+def test_autotune_picks_one_of_its_configs():
+    x = torch.randn(2000, device=DEVICE)
+    add.vector_add_autotuned(x, x)
+    assert add.add_autotuned_kernel.best_config.kwargs["BLOCK"] in (256, 1024, 4096)
+
+
+def test_vector_add_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="contiguous"):
+        add.vector_add(torch.randn(4, 4, device=DEVICE).t(), torch.randn(4, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="equal shapes"):
+        add.vector_add(torch.randn(3, device=DEVICE), torch.randn(4, device=DEVICE))
+
+
+def test_wrong_device_is_explained(monkeypatch):
+    monkeypatch.setattr(timing, "kernel_device", lambda: torch.device("cuda"))   # as on a GPU machine
+    with pytest.raises(ValueError, match="must be on cuda.*move it"):
+        timing.check_device(torch.ones(2))
+
+
+# ---- softmax --------------------------------------------------------------------------------------
+SOFTMAX_VERSIONS = [row_softmax.softmax_v1, row_softmax.softmax_v2, row_softmax.softmax_v3,
+                    lambda x: row_softmax.softmax_v3(x, block=32), row_softmax.softmax_unfused]
+
+
+@pytest.mark.parametrize("version", SOFTMAX_VERSIONS, ids=["v1", "v2", "v3", "v3_blocks_of_32", "unfused"])
+@pytest.mark.parametrize("shape, scale", [((7, 100), 1.0), ((3, 64), 300.0), ((20, 5), 1.0)])
+def test_softmax_versions(version, shape, scale):
+    x = torch.randn(shape, device=DEVICE) * scale
+    torch.testing.assert_close(version(x), torch.softmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("version", SOFTMAX_VERSIONS[:4], ids=["v1", "v2", "v3", "v3_blocks_of_32"])
+def test_softmax_reads_rows_through_their_stride(version):
+    wide = torch.randn(6, 90, device=DEVICE)
+    torch.testing.assert_close(version(wide[:, 10:80]), torch.softmax(wide[:, 10:80], dim=-1))
+    torch.testing.assert_close(version(wide.t()), torch.softmax(wide.t(), dim=-1))   # last dim not contiguous
+
+
+def test_softmax_keeps_masked_entries_at_zero():
+    x = torch.randn(4, 50, device=DEVICE).masked_fill(torch.rand(4, 50, device=DEVICE) < 0.4, float("-inf"))
+    x[:, 0] = 0.0
+    torch.testing.assert_close(softmax(x), torch.softmax(x, dim=-1))
+
+
+def test_softmax_any_shape_and_bf16():
+    x = torch.randn(2, 3, 40, device=DEVICE, dtype=torch.bfloat16)
+    y = softmax(x)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    torch.testing.assert_close(y, torch.softmax(x.float(), dim=-1).bfloat16())
+    assert softmax(torch.empty(0, 8, device=DEVICE)).shape == (0, 8)
+
+
+def test_softmax_chooses_the_online_version_for_long_rows(monkeypatch):
+    monkeypatch.setattr(row_softmax, "MAX_FUSED_BLOCK", 32)
+    called = []
+    monkeypatch.setattr(row_softmax, "softmax_v3", lambda x: called.append(x.shape) or torch.softmax(x, -1))
+    softmax(torch.randn(2, 40, device=DEVICE))
+    assert called == [(2, 40)]
+
+
+def test_softmax_bytes_match_the_counted_traffic():
+    x = torch.randn(16, 48)
+    _, ops = gpu.count_traffic(row_softmax.softmax_unfused, x)
+    assert [op.name for op in ops] == ["amax", "sub", "exp", "sum", "div"]
+    assert sum(op.bytes_read + op.bytes_written for op in ops) == row_softmax.softmax_bytes(16, 48, 4, "unfused")
+    assert row_softmax.softmax_bytes(16, 48, 4, "fused") * 4 < row_softmax.softmax_bytes(16, 48, 4, "unfused")
+
+
+# ---- RMSNorm --------------------------------------------------------------------------------------
+def torch_rms_norm(x, weight, eps):
+    """picotron.model.RMSNorm's arithmetic, written out."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (2, 7, 100), (33, 24), (1, 1)])
+def test_rmsnorm_forward_and_backward(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(shape[-1], device=DEVICE)).requires_grad_()
+    y = rms_norm(x, w, 1e-5)
+    grad = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), grad)
+    y_ref = torch_rms_norm(x, w, 1e-5)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x, w), grad)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw, dw_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_backward_against_float64_autograd():
+    """The kernels compute in fp32: compare with torch's autograd in float64, within fp32 round-off."""
+    x = torch.randn(40, 72, device=DEVICE, requires_grad=True)
+    w = torch.randn(72, device=DEVICE, requires_grad=True)
+    g = torch.randn(40, 72, device=DEVICE)
+    dx, dw = torch.autograd.grad(rms_norm(x, w, 1e-3), (x, w), g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    dx64, dw64 = torch.autograd.grad(torch_rms_norm(x64, w64, 1e-3), (x64, w64), g.double())
+    torch.testing.assert_close(dx.double(), dx64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw.double(), dw64, atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_row_kernel_v1_equals_v2():
+    x = torch.randn(9, 70, device=DEVICE)
+    w = torch.randn(70, device=DEVICE)
+    y1, r1 = torch.empty_like(x), torch.empty(9, device=DEVICE)
+    rmsnorm.rmsnorm_fwd_row_kernel[(9,)](x, w, y1, r1, 70, x.stride(0), y1.stride(0), 1e-5, BLOCK=128)
+    y2, r2 = rmsnorm.rms_norm_forward(x, w, 1e-5)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(r1, r2)
+
+
+def test_rmsnorm_bf16_matches_the_torch_module():
+    x = torch.randn(4, 48, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    y = rms_norm(x, w, 1e-5)
+    y_ref = torch_rms_norm(x, w, 1e-5)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref)
+    g = torch.randn_like(y)
+    for mine, ref in zip(torch.autograd.grad(y, (x, w), g), torch.autograd.grad(y_ref, (x, w), g)):
+        torch.testing.assert_close(mine, ref, atol=3e-2, rtol=2e-2)
+
+
+def test_triton_rmsnorm_is_a_drop_in_for_the_model_norm():
+    from picotron.model import RMSNorm
+    torch.manual_seed(0)
+    ref = RMSNorm(32, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        ref.weight.normal_()
+    mine = TritonRMSNorm(32, 1e-6).to(DEVICE)
+    mine.load_state_dict(ref.state_dict())
+    assert isinstance(mine, RMSNorm) and mine.eps == ref.eps and set(mine.state_dict()) == {"weight"}
+    ref.load_state_dict(mine.state_dict())
+    x = torch.randn(2, 5, 32, device=DEVICE)
+    torch.testing.assert_close(mine(x), ref(x))
+    shared = TritonRMSNorm.from_torch(ref)
+    assert shared.weight is ref.weight and shared.eps == ref.eps
+    assert "Triton" in repr(mine)
+
+
+def test_a_model_with_triton_norms_trains_like_the_torch_one():
+    """Swap every RMSNorm of a tiny Llama for TritonRMSNorm: same loss, same gradients."""
+    from picotron.config import ModelConfig
+    from picotron.model import Llama, RMSNorm, loss_fn
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_seq_len=16)
+    torch.manual_seed(0)
+    reference = Llama(config).to(DEVICE)
+    model = Llama(config).to(DEVICE)
+    model.load_state_dict(reference.state_dict())
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is RMSNorm:
+                setattr(module, name, TritonRMSNorm.from_torch(child))
+                swapped += 1
+    assert swapped == 2 * config.num_layers + 1
+    ids = torch.randint(0, 64, (2, 16), device=DEVICE)
+    losses = []
+    for m in (reference, model):
+        loss = loss_fn(m(ids[:, :-1]), ids[:, 1:])
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-6)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_rmsnorm_bytes():
+    assert rmsnorm.rmsnorm_bytes(8, 16, 2) == 2 * 8 * 16 * 2 + 16 * 2 + 4 * 8
+    assert rmsnorm.rmsnorm_bytes(8, 16, 2, backward=True) == 3 * 8 * 16 * 2 + 16 * 2 + 4 * 8
+
+
+# ---- FlashAttention -------------------------------------------------------------------------------
+ATTENTION_CASES = [  # (batch, heads, kv_heads, seq_q, seq_k, head_dim, blocks)
+    (1, 2, 2, 64, 64, 32, None),
+    (2, 4, 2, 100, 100, 32, None),             # GQA; seq not a multiple of the block
+    (1, 2, 1, 48, 48, 24, (16, 16)),           # head_dim not a power of two; many small blocks
+    (1, 2, 2, 40, 72, 16, (32, 16)),           # more keys than queries (top-left causal alignment, as SDPA)
+]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=["square", "gqa_ragged", "d24_small_blocks", "seq_k_longer"])
+def test_flash_attention_forward_and_backward(case, causal):
+    batch, heads, kv_heads, seq_q, seq_k, head_dim, blocks = case
+    torch.manual_seed(0)
+    q = torch.randn(batch, heads, seq_q, head_dim, device=DEVICE, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq_k, head_dim, device=DEVICE, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq_k, head_dim, device=DEVICE, requires_grad=True)
+    out = flash_attention(q, k, v, causal=causal, blocks=blocks)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    for name, mine, theirs in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4, msg=f"d{name}")
+
+
+def test_flash_attention_log_sum_exp_and_strided_inputs():
+    torch.manual_seed(1)
+    qkv = torch.randn(1, 48, 3, 2, 32, device=DEVICE)               # (batch, seq, q/k/v, heads, d): a fused projection
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))       # (batch, heads, seq, d) views, not contiguous
+    out, lse = attention.flash_attention_forward(q, k, v, causal=True)
+    scores = (q @ k.transpose(-2, -1)) / 32 ** 0.5
+    scores = scores.masked_fill(torch.ones(48, 48, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1))
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
+
+
+def test_flash_attention_with_a_scale_and_in_bf16():
+    q, k, v = (torch.randn(1, 2, 40, 16, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    out = flash_attention(q, k, v, causal=True, scale=0.3)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.3)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_flash_attention_refuses_bad_shapes():
+    q = torch.randn(1, 3, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="do not split"):
+        flash_attention(q, torch.randn(1, 2, 8, 16, device=DEVICE), torch.randn(1, 2, 8, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="powers of two"):
+        flash_attention(q, q, q, blocks=(16, 32))
+
+
+def test_attention_flops():
+    assert attention.attention_flops(1, 1, 8, 8, 4, causal=False) == 4 * 8 * 8 * 4
+    assert attention.attention_flops(2, 3, 8, 8, 4) == 2 * 3 * 4 * 8 * 8 * 4 / 2
+    assert attention.attention_flops(1, 1, 8, 8, 4, backward=True) == 2.5 * 4 * 8 * 8 * 4 / 2
+
+
+# ---- the GPU model, the timer -------------------------------------------------------------------------
+def test_sectors_per_warp():
+    lanes = torch.arange(32 * 4)
+    assert gpu.sectors_per_warp(lanes, 4) == 4            # 32 consecutive fp32: 128 B, 4 sectors
+    assert gpu.sectors_per_warp(lanes * 64, 4) == 32      # one column of a 64-wide row-major matrix
+    assert gpu.sectors_per_warp(lanes, 2) == 2            # bf16: 64 B
+    assert gpu.sectors_per_warp(lanes // 32, 4) == 1      # a warp reading one value (broadcast)
+
+
+def test_roofline_and_h100_figures():
+    assert gpu.roofline(1 / 12, 989e12, 3.35e12) == pytest.approx(3.35e12 / 12)
+    assert gpu.roofline(1e4, 989e12, 3.35e12) == 989e12
+    assert 290 < gpu.H100_SXM.ridge_point < 300
+    assert gpu.H200.hbm_bandwidth > gpu.H100_SXM.hbm_bandwidth and gpu.H200.bf16_flops == gpu.H100_SXM.bf16_flops
+
+
+def test_cpu_timer_speaks_do_bench():
+    calls = []
+    ms = timing.cpu_do_bench(lambda: calls.append(1), warmup=2, rep=3)
+    assert ms >= 0 and len(calls) == 5
+    assert len(timing.cpu_do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))) == 3
+    assert timing.bench(lambda: None, device="cpu", rep=2) >= 0
+
+
+def test_kernels_tell_where_they_run():
+    assert kernels.INTERPRETED == (not ON_GPU) or os.environ.get("TRITON_INTERPRET") == "1"
+    assert DEVICE.type == ("cpu" if INTERPRETED else "cuda")
+
+
+# ---- compiled for an H100, without one --------------------------------------------------------------
+COMPILE_ALL = """
+    import os, torch
+    os.environ["TRITON_INTERPRET"] = "0"
+    torch.cuda.is_available = lambda: True      # pretend: make picotron.kernels define compiler kernels
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from picotron.kernels import add, attention, rmsnorm, row_softmax
+
+    def compile(kernel, types, constexprs, warps, stages=3):
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        # An H100 gives one block at most 227 KB of shared memory; more fails only when launched on the GPU.
+        assert compiled.metadata.shared <= 227 * 1024, (kernel.__name__, compiled.metadata.shared)
+        print("compiled", kernel.__name__)
+
+    P, B = "*fp32", "*bf16"
+    compile(add.add_kernel, dict(x_ptr=P, y_ptr=P, z_ptr=P), dict(BLOCK=1024), 4)
+    compile(add.add_grid_stride_kernel, dict(x_ptr=P, y_ptr=P, z_ptr=P), dict(BLOCK=1024), 4)
+    compile(add.add_autotuned_kernel.fn, dict(x_ptr=P, y_ptr=P, z_ptr=P), dict(BLOCK=4096), 8)
+    compile(row_softmax.softmax_row_kernel, dict(x_ptr=B, out_ptr=B), dict(BLOCK=4096), 8)
+    compile(row_softmax.softmax_rows_kernel, dict(x_ptr=B, out_ptr=B), dict(ROWS=4, BLOCK=1024), 8)
+    compile(row_softmax.softmax_online_kernel, dict(x_ptr=P, out_ptr=P), dict(BLOCK=4096), 8)
+    norm = dict(x_ptr=B, w_ptr=B, out_ptr=B, rstd_ptr=P, eps="fp32")
+    compile(rmsnorm.rmsnorm_fwd_row_kernel, norm, dict(BLOCK=4096), 8)
+    compile(rmsnorm.rmsnorm_fwd_kernel, norm, dict(ROWS=2, BLOCK=2048), 8)
+    compile(rmsnorm.rmsnorm_bwd_kernel, dict(dy_ptr=B, x_ptr=B, w_ptr=B, rstd_ptr=P, dx_ptr=B, dw_partial_ptr=P),
+            dict(ROWS=2, BLOCK=2048), 8)
+    flash = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, CAUSAL=True, DOT_FP32=False, PRECISION="tf32")
+    tensors = {name: B for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr")}
+    tensors.update(lse_ptr=P, delta_ptr=P, qk_scale="fp32", scale="fp32")
+    for element_size, pointer, precision in ((2, B, "tf32"), (4, P, "ieee")):   # the launchers' tile choices
+        typed = {name: (pointer if kind == B else kind) for name, kind in tensors.items()}
+        block_m, block_n, warps, stages = attention._blocks(128, element_size=element_size)
+        tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
+        compile(attention.flash_fwd_kernel, typed, tiles, warps, stages)
+        block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=element_size)
+        tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
+        compile(attention.flash_bwd_dkdv_kernel, typed, tiles, warps, stages)
+        compile(attention.flash_bwd_dq_kernel, typed, tiles, warps, stages)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine compiles them for real in the other tests")
+def test_every_kernel_compiles_for_an_h100():
+    done = _python(COMPILE_ALL, TRITON_DEFAULT_FP_FUSION="1")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("compiled") == 15
+
+
+# ---- on a GPU: larger sizes, bf16, against torch's kernels -------------------------------------------
+@gpu_only
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 30000), (8192, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_softmax_large(shape, dtype):
+    x = torch.randn(shape, device="cuda", dtype=dtype) * 4
+    torch.testing.assert_close(softmax(x), torch.softmax(x.float(), -1).to(dtype))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_rmsnorm_large(dtype):
+    x = torch.randn(4096, 4096, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(4096, device="cuda", dtype=dtype, requires_grad=True)
+    y = rms_norm(x, w, 1e-5)
+    g = torch.randn_like(y)
+    y_ref = torch_rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(y, y_ref)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    mine, ref = torch.autograd.grad(y, (x, w), g), torch.autograd.grad(y_ref, (x, w), g)
+    torch.testing.assert_close(mine[0], ref[0], **tolerance)
+    torch.testing.assert_close(mine[1].float(), ref[1].float(), atol=tolerance["atol"] * 100, rtol=tolerance["rtol"])
+
+
+@gpu_only
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_flash_attention_bf16(causal, head_dim):
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 1024, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 4, 1024, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 4, 1024, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = flash_attention(q, k, v, causal=causal)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(out)
+    for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(mine, theirs, atol=5e-2, rtol=5e-2)
+
+
+@gpu_only
+def test_gpu_fp32_attention_is_not_tf32():
+    q, k, v = (torch.randn(1, 2, 256, 64, device="cuda") for _ in range(3))
+    torch.testing.assert_close(flash_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               atol=1e-5, rtol=1e-5)
