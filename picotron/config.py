@@ -40,6 +40,7 @@ class ModelConfig:
     attention: str = "sdpa"               # "sdpa" (fused, never stores seq x seq scores) or "eager"
     recompute: str = "none"               # activation recomputation: "none", "selective" or "full"
     norm_impl: str = "torch"              # RMSNorm computed by "torch" ops or by picotron's "triton" kernels (ch. 09)
+    fp8: str = "none"                     # "none", or the Linears' matmuls in fp8 with a recipe of picotron.fp8 (ch. 10)
     # Mixture of experts (picotron.model.MoE, chapter 07): 0 keeps the dense SwiGLU MLP in every layer.
     num_experts: int = 0                  # > 0: MoE layers with this many SwiGLU experts of intermediate_size
     experts_per_token: int = 2            # top-k: experts each token is sent to
@@ -92,6 +93,7 @@ class ModelConfig:
 ATTENTION_CHOICES = ("sdpa", "eager")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 NORM_IMPLS = ("torch", "triton")
+FP8_RECIPES = ("none", "tensorwise", "delayed", "rowwise", "blockwise")   # picotron.fp8.RECIPES, and "none"
 
 
 def check_model_choices(model: ModelConfig) -> None:
@@ -104,6 +106,9 @@ def check_model_choices(model: ModelConfig) -> None:
     if model.norm_impl not in NORM_IMPLS:
         raise ValueError(f"norm_impl={model.norm_impl!r}; choose one of {NORM_IMPLS} (triton: picotron.kernels, "
                          f"interpreted on a CPU)")
+    if model.fp8 not in FP8_RECIPES:
+        raise ValueError(f"fp8={model.fp8!r}; choose one of {FP8_RECIPES} (chapter 10: how the fp8 scales are "
+                         f"chosen)")
     check_moe(model)
 
 
@@ -326,6 +331,9 @@ def check_combination(model: ModelConfig, p: ParallelConfig) -> None:
         raise NotImplementedError(f"sequence_parallel with an MoE model (tp={p.tp}) is not written: each tp rank "
                                   f"would route its own slice of the sequence, and the experts' gradients and the "
                                   f"balancing loss's load would have to be summed over tp too; drop sequence_parallel")
+    if model.fp8 != "none" and p.tp > 1:
+        raise NotImplementedError(f"fp8={model.fp8!r} with tp={p.tp} is not written: the tensor-parallel Linears "
+                                  f"compute their own matmuls, which picotron.fp8 does not replace; use tp=1 with fp8")
     if p.ep > 1 and p.zero_stage:
         raise NotImplementedError(f"ep={p.ep} with zero_stage={p.zero_stage} is not written: ZeRO's flat buffers "
                                   f"average every gradient over all dp ranks, but an expert's gradient is averaged "

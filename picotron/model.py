@@ -407,6 +407,9 @@ class Llama(nn.Module):
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_weights()   # also ties lm_head.weight to embed.weight when configured
+        if config.fp8 != "none":   # chapter 10: the Linears' matmuls in fp8 (same parameters, same names)
+            from picotron.fp8 import convert_to_float8
+            convert_to_float8(self, config.fp8)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -58,7 +58,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from picotron import checkpoint, comm, launch
-from picotron.config import CP_MODES, PP_SCHEDULES, PRESETS, Config, ModelConfig, ParallelConfig, validate
+from picotron.config import (CP_MODES, FP8_RECIPES, PP_SCHEDULES, PRESETS, Config, ModelConfig, ParallelConfig,
+                             validate)
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
@@ -451,6 +452,8 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--recompute", choices=["none", "selective", "full"],
                         help="activation recomputation (chapter 01)")
     parser.add_argument("--attention", choices=["sdpa", "eager"], help="fused attention or the eager scores")
+    parser.add_argument("--fp8", choices=list(FP8_RECIPES),
+                        help="the Linears' matmuls in fp8 with this scaling recipe (chapter 10; emulated on a CPU)")
     parser.add_argument("--norm-impl", dest="norm_impl", choices=["torch", "triton"],
                         help="RMSNorm by torch ops or by picotron's Triton kernels (chapter 09; interpreted on a CPU)")
     parser.add_argument("--dataset", help="'arithmetic' (built in) or a .txt/.jsonl file or folder")
@@ -465,7 +468,7 @@ def parse_args(argv: list[str] | None) -> Config:
     config = Config.from_json(args.config) if args.config else Config(parallel=ParallelConfig(dp=4))
     if args.preset:
         config.model = ModelConfig.preset(args.preset)
-    for name in ("recompute", "attention", "norm_impl"):
+    for name in ("recompute", "attention", "norm_impl", "fp8"):
         if getattr(args, name) is not None:
             config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
     for axis in ("dp", "pp", "cp", "tp", "ep", "zero_stage", "sequence_parallel", "cp_mode", "pp_schedule",
