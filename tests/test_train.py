@@ -14,7 +14,7 @@ import torch.distributed as dist
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from picotron.launch import run
 from picotron.mesh import Mesh
-from picotron.parallel.tensor_parallel import gather_parameters
+from picotron.parallel.tensor_parallel import gather_along, gather_parameters
 from picotron.parallel.zero3 import Zero3
 from picotron.train import Trainer, flops_per_token, lr_at, parse_args
 
@@ -81,12 +81,6 @@ def assert_trains_like_one_process(ranks: list[dict], reference: dict, steps: in
         assert rank["digits"] == reference["digits"]
 
 
-def gather_list(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, tensor.contiguous(), group=group)
-    return out
-
-
 def record_losses(config: Config, steps: int) -> dict:
     """Train `steps` steps; return the losses, gradient norms, the whole weights at the end (ZeRO-3 and
     tensor parallelism gather them) and the held-out digit accuracy."""
@@ -99,7 +93,7 @@ def record_losses(config: Config, steps: int) -> dict:
         weights = trainer.zero.gather_parameters()
         if mesh.tp_size > 1:
             shard_dims = {n: getattr(q, "tp_shard_dim", None) for n, q in trainer.model.named_parameters()}
-            weights = {n: w if shard_dims[n] is None else torch.cat(gather_list(w, mesh.tp_group), shard_dims[n])
+            weights = {n: w if shard_dims[n] is None else gather_along(w.contiguous(), shard_dims[n], mesh.tp_group)
                        for n, w in weights.items()}
     elif mesh and mesh.tp_size > 1:     # (under pp, accuracy() gave every rank every stage's weights)
         weights = gather_parameters(trainer.model, mesh.tp_group)
