@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ from picotron.config import ModelConfig
 from picotron.model import Llama
 from picotron.parallel.zero import FlatGroup, ZeroOptimizer
 
-__all__ = ["save", "load", "load_model_weights", "read_info"]
+__all__ = ["save", "load", "load_model_weights", "read_info", "check_save_dir"]
 
 INFO_FILE = "picotron.json"   # beside DCP's files: the config and layout it was saved from, for people
 
@@ -109,6 +110,23 @@ def save(trainer, path: str | os.PathLike, step: int) -> None:
     with _dcp_context(single_process=trainer.mesh is None):
         dcp.save(_as_dcp_state(states, trainer, step), storage_writer=dcp.FileSystemWriter(path),
                  no_dist=trainer.mesh is None)
+
+
+def check_save_dir(path: str | os.PathLike) -> None:
+    """Raise ValueError naming the fix if checkpoints cannot be written under directory `path`.
+
+    Creates the directory (as `save` would) and writes and deletes a probe file in it: a typo, a path
+    under a file or a read-only disk then fails before step 0, not at the first checkpoint after hours
+    of training. The trainer calls it on every rank (each writes its part of a checkpoint).
+    """
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(f"save_dir={path!r} (--save-dir) cannot be written: {error.strerror or error}; choose "
+                         f"a directory this process may create and write to") from None
 
 
 def load(trainer, path: str | os.PathLike) -> int:

@@ -8,13 +8,20 @@ and reads/writes the JSON files in configs/, whose sections are "model", "parall
 
 `validate(config, world_size)` rejects every impossible combination with a message that
 names the values and the fix, so a bad config fails at start-up instead of hanging a
-collective later.
+collective later. It starts with `check_fields`, which checks every field against its
+annotation (an int field takes an int and not a bool, a float field an int or a float, ...)
+and against its lower bound in AT_LEAST (seq_len >= 1, steps >= 0, ...). `Config.from_json`
+and `Config.from_dict` run the same check before building the dataclasses, naming the file
+and the key (`configs/x.json: parallel.dp='2' has type str; expected int (write 2, without quotes)`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,35 +232,135 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Config":
+    def from_dict(cls, data: dict, source: str = "") -> "Config":
+        """Build a Config from {"model": {...}, "parallel": {...}, "train": {...}}; `source` (a file) prefixes
+        the messages of the ValueErrors raised for unknown keys and for values of the wrong type or range."""
+        where = f"{source}: " if source else ""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}the config is a JSON {_json_kind(data)}, but it must be an object with the "
+                             f"sections 'model', 'parallel' and 'train', e.g. {{\"parallel\": {{\"dp\": 2}}}}")
         unknown = set(data) - {"model", "parallel", "train"}
         if unknown:
-            raise ValueError(f"unknown config sections {sorted(unknown)}; use 'model', 'parallel' and 'train'")
+            raise ValueError(f"{where}unknown config sections {sorted(unknown)}; use 'model', 'parallel' and 'train'")
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ValueError(f"{where}section {section!r} is a JSON {_json_kind(values)}, but it must be an "
+                                 f"object of fields, e.g. \"{section}\": {{}}")
         model = dict(data.get("model", {}))
         preset = model.pop("preset", None)
-        if preset is not None and preset not in PRESETS:
-            raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+        if preset is not None and (not isinstance(preset, str) or preset not in PRESETS):
+            raise ValueError(f"{where}unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
         base = PRESETS[preset] if preset else {}
-        return cls(model=_build(ModelConfig, {**base, **model}),
-                   parallel=_build(ParallelConfig, data.get("parallel", {})),
-                   train=_build(TrainConfig, data.get("train", {})))
+        return cls(model=_build(ModelConfig, {**base, **model}, where, "model"),
+                   parallel=_build(ParallelConfig, data.get("parallel", {}), where, "parallel"),
+                   train=_build(TrainConfig, data.get("train", {}), where, "train"))
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Config":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a config file; every error (unreadable file, malformed JSON, wrong key or value) names the file."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise ValueError(f"cannot read the config file {path}: {error.strerror or error}; give the path of a "
+                             f"JSON file such as configs/tiny_dp4.json") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}; "
+                             f"fix the file (keys and strings in double quotes, no trailing commas)") from None
+        return cls.from_dict(data, source=str(path))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _build(kind: type, values: dict) -> Any:
+def _json_kind(value: Any) -> str:
+    """What JSON calls the type of a parsed value, for messages."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _build(kind: type, values: dict, where: str, section: str) -> Any:
     names = {f.name for f in dataclasses.fields(kind)}
     unknown = set(values) - names
     if unknown:
-        raise ValueError(f"unknown {kind.__name__} fields {sorted(unknown)}; valid fields: {sorted(names)}")
+        raise ValueError(f"{where}unknown {kind.__name__} fields {sorted(unknown)} in section {section!r}; "
+                         f"valid fields: {sorted(names)}")
+    check_fields(kind, values, f"{where}{section}.")     # before the dataclass computes anything from them
     if "betas" in values:
         values = {**values, "betas": tuple(values["betas"])}
     return kind(**values)
+
+
+# ---- field types and bounds -----------------------------------------------------------------------------
+# The least value of each numeric field (anything below means nothing), and a note on what the bound means.
+# Other limits depend on several fields (tp must divide the heads, ...) and are checked in validate().
+AT_LEAST: dict[str, tuple[float, str]] = {
+    # ModelConfig
+    "vocab_size": (1, ""), "hidden_size": (1, ""), "intermediate_size": (1, ""), "num_layers": (1, ""),
+    "num_attention_heads": (1, ""), "num_key_value_heads": (1, ""), "head_dim": (1, "or None: hidden / heads"),
+    "max_seq_len": (1, ""), "num_experts": (0, "0: the dense MLP in every layer"), "init_std": (0, ""),
+    # ParallelConfig: a size of 1 leaves the axis unsplit
+    "dp": (1, "1: no data parallelism"), "pp": (1, "1: no pipeline"), "cp": (1, "1: no context parallelism"),
+    "tp": (1, "1: no tensor parallelism"), "ep": (1, "1: no expert parallelism"),
+    "pp_virtual_stages": (1, "1: one chunk of layers per pp rank"),
+    # TrainConfig
+    "steps": (0, "0: train nothing"), "micro_batch_size": (1, "sequences per rank per micro-batch"),
+    "grad_accum_steps": (1, "micro-batches per optimizer step"), "seq_len": (1, "tokens per sequence"),
+    "lr": (0, ""), "min_lr": (0, ""), "warmup_steps": (0, "0: no warm-up"), "weight_decay": (0, ""),
+    "grad_clip": (0, "0 disables clipping"), "log_every": (1, "1: a log line every step"),
+    "eval_every": (0, "0: evaluate only at the end"), "bucket_mb": (0, "0: one all-reduce bucket per parameter"),
+    "save_every": (0, "0: save only after the last step"),
+}
+
+
+@functools.cache
+def _type_hints(kind: type) -> dict[str, Any]:
+    return typing.get_type_hints(kind)   # the annotations are strings (from __future__ import annotations)
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    """Whether `value` is of the annotated type `hint` (int | None, tuple[float, float], ...)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_accepts(arg, value) for arg in args)
+    if origin is tuple:   # a tuple, or a JSON array, of as many values of these types
+        return (isinstance(value, (tuple, list)) and len(value) == len(args)
+                and all(_accepts(arg, v) for arg, v in zip(args, value)))
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):   # True is an int in Python; in a config it is only a bool
+        return hint is bool
+    if hint is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, origin or hint)
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("NoneType", "None")
+
+
+def _unquote_hint(hint: Any, value: Any) -> str:
+    """For a quoted number or boolean ("2", "true") where one is expected: how to write it."""
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        return ""
+    return f" (write {json.dumps(parsed)}, without quotes)" if parsed is not None and _accepts(hint, parsed) else ""
+
+
+def check_fields(kind: type, values: dict, where: str = "") -> None:
+    """Raise ValueError if a value in `values` (field name -> value of dataclass `kind`) has the wrong type
+    for its annotation or lies below its bound in AT_LEAST; `where` prefixes the key ("c.json: train.")."""
+    hints = _type_hints(kind)
+    for name, value in values.items():
+        if not _accepts(hints[name], value):
+            raise ValueError(f"{where}{name}={value!r} has type {type(value).__name__}; expected "
+                             f"{_type_name(hints[name])}{_unquote_hint(hints[name], value)}")
+        least, note = AT_LEAST.get(name, (None, ""))
+        if least is not None and value is not None and value < least:
+            raise ValueError(f"{where}{name}={value!r} must be at least {least}" + (f" ({note})" if note else ""))
 
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -343,10 +450,11 @@ def check_combination(model: ModelConfig, p: ParallelConfig) -> None:
 def validate(config: Config, world_size: int | None = None) -> None:
     """Raise ValueError naming the problem and the fix for any impossible combination."""
     m, p, t = config.model, config.parallel, config.train
+    for section in dataclasses.fields(config):   # types and bounds first: the checks below compare numbers
+        values = getattr(config, section.name)
+        check_fields(type(values), {f.name: getattr(values, f.name) for f in dataclasses.fields(values)},
+                     f"{section.name}.")
     check_model_choices(m)
-    for name in ("dp", "pp", "cp", "tp"):
-        if getattr(p, name) < 1:
-            raise ValueError(f"{name}={getattr(p, name)} must be at least 1")
     check_zero_stage(p.zero_stage)
     if m.num_attention_heads % m.num_key_value_heads:
         raise ValueError(f"num_key_value_heads={m.num_key_value_heads} does not divide "
@@ -370,7 +478,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if p.pp > m.num_layers:
         raise ValueError(f"pp={p.pp} is larger than num_layers={m.num_layers}: a stage needs at least one layer")
     check_pipeline(m, p.pp, p.pp_schedule, p.pp_virtual_stages, t.grad_accum_steps)
-    if p.ep < 1 or p.dp % p.ep:
+    if p.dp % p.ep:
         raise ValueError(f"ep={p.ep} does not divide dp={p.dp}: expert parallelism splits the dp ranks into groups "
                          f"of ep; choose ep among {[d for d in range(1, p.dp + 1) if p.dp % d == 0]}")
     if p.ep > 1 and (m.num_experts == 0 or m.num_experts % p.ep):
@@ -380,12 +488,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
         raise ValueError(f"seq_len={t.seq_len} is longer than max_seq_len={m.max_seq_len}; raise max_seq_len")
     check_context_parallel(m, p.cp, p.cp_mode, t.seq_len, p.tp)
     check_combination(m, p)
-    if t.micro_batch_size < 1 or t.grad_accum_steps < 1 or t.steps < 0:
-        raise ValueError("micro_batch_size and grad_accum_steps must be >= 1 and steps >= 0")
-    if t.save_every < 0:
-        raise ValueError(f"save_every={t.save_every} must be >= 0 (0: save only after the last step)")
-    if t.bucket_mb < 0:
-        raise ValueError(f"bucket_mb={t.bucket_mb} must be >= 0 (0: one all-reduce bucket per parameter)")
     if t.backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend={t.backend!r}; choose 'auto', 'gloo' or 'nccl'")
     if world_size is not None and p.world_size != world_size:

@@ -187,6 +187,8 @@ class TokenDataset:
     def __init__(self, tokens: torch.Tensor, seq_len: int):
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be at least 1 (tokens per training sequence)")
         if len(tokens) < seq_len + 1:
             raise ValueError(f"text of {len(tokens)} tokens is too short for one window of seq_len + 1 = "
                              f"{seq_len + 1} tokens; use more text or a smaller seq_len")
@@ -255,6 +257,9 @@ class DataLoader:
     def __init__(self, dataset: TokenDataset, micro_batch_size: int, *,
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1, zigzag: bool = False,
                  seed: int = 0):
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be at least 1 (windows per rank per "
+                             f"micro-batch)")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         if not 0 <= cp_rank < cp_size:

@@ -33,11 +33,30 @@ range and e4m3's extra mantissa bit wins (DeepSeek-V3 uses e4m3 throughout).
 
 `Float8Linear` is an `nn.Linear` whose three matmuls (forward; input and weight gradients in
 backward) use fp8 operands. On a CUDA GPU with fp8 support the tensorwise and rowwise products
-run through `torch._scaled_mm`; everywhere else (CPU, blockwise) they are emulated: quantize,
+run through `scaled_mm`; everywhere else (CPU, blockwise) they are emulated: quantize,
 dequantize, multiply in fp32. The emulation computes the same sum of the same fp8 products, only
-not faster. The master weight stays the module's fp32 (or bf16) parameter; backward re-quantizes
-the saved high-precision input along the other axis where the recipe needs it (rowwise,
-blockwise). Saving fp8 copies instead would halve the activation memory; not done here.
+not faster.
+
+Which path runs, and when:
+
+    fp8_matmul, CUDA sm89+, tensorwise or rowwise, dims % 16 == 0   scaled_mm
+    fp8_matmul, anything else (a CPU, blockwise, odd shapes)          emulation, always
+    scaled_mm(a, b, scale_a, scale_b), any device                     torch._scaled_mm where this torch
+                                                                      runs it with these dtypes, scales
+                                                                      and bias on this device; else the
+                                                                      same product emulated
+
+`scaled_mm_runs` decides the last line once per combination (device, operand and output dtypes,
+tensorwise or rowwise scales, bias or not; functools.cache), by a trial call on 16 x 32 @ 32 x 16
+matrices whose result it checks against the dequantized product: so a kernel that refuses the
+scales and one that would silently misuse them both fall back. torch >= 2.13 runs tensorwise
+and rowwise scales on a CPU as on sm89+ GPUs; torch 2.11's CPU kernel takes one scale per tensor
+only, so there rowwise products are emulated. The emulation matches `_scaled_mm`'s semantics:
+out = (A * scale_a) @ (B * scale_b) accumulated in fp32, + bias, cast to out_dtype.
+
+The master weight stays the module's fp32 (or bf16) parameter; backward re-quantizes the saved
+high-precision input along the other axis where the recipe needs it (rowwise, blockwise).
+Saving fp8 copies instead would halve the activation memory; not done here.
 
 `convert_to_float8(model, recipe)` swaps a picotron Llama's Linears in place, sharing the
 parameters, so state dicts and an optimizer made before the swap keep working.
@@ -45,6 +64,7 @@ parameters, so state dicts and an optimizer made before the swap keep working.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -322,6 +342,58 @@ def recipe_of(recipe: str | Float8Recipe) -> Float8Recipe:
 
 # ---- The fp8 matmul ------------------------------------------------------------------------------------
 
+# The installed torch's kernel, for the trial calls of scaled_mm_runs (scaled_mm itself looks torch._scaled_mm up
+# at each call). None where this torch has none.
+_TORCH_SCALED_MM = getattr(torch, "_scaled_mm", None)
+
+
+@functools.cache
+def scaled_mm_runs(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool,
+                   out_dtype: torch.dtype, bias: bool = False) -> bool:
+    """Whether torch._scaled_mm computes a product of these fp8 dtypes with tensorwise (rowwise=False) or
+    rowwise scales, this output dtype and a bias or not, correctly on `device` ("cpu", "cuda:0").
+
+    A trial call once per combination: a (16, 32) @ b (32, 16), b column-major, values and power-of-two
+    scales that make the exact result easy to compare; an error or a wrong result (a kernel ignoring all
+    but one scale) means no.
+    """
+    if _TORCH_SCALED_MM is None:
+        return False
+    grid = torch.arange(16 * 32, dtype=torch.float32, device=device).reshape(16, 32)
+    a = ((grid * 7 % 9 - 4) / 2).to(a_dtype)                 # -2 .. 2 in steps of 1/2: exact in e4m3 and e5m2
+    b = ((grid * 5 % 7 - 3) / 2).to(b_dtype).t()             # (32, 16) column-major
+    rows, cols = torch.arange(16, dtype=torch.float32, device=device), torch.arange(16, device=device)
+    scale_a = 2.0 ** (rows % 4 - 1).reshape(16, 1) if rowwise else torch.tensor(0.5, device=device)
+    scale_b = 2.0 ** -(cols % 3).float().reshape(1, 16) if rowwise else torch.tensor(4.0, device=device)
+    bias_value = torch.linspace(-1, 1, 16, device=device).to(out_dtype) if bias else None
+    expected = (a.float() * scale_a) @ (b.float() * scale_b) + (bias_value.float() if bias else 0)
+    try:
+        out = _TORCH_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias_value, out_dtype=out_dtype)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    eps = torch.finfo(out_dtype).eps                         # the output's rounding, nothing more
+    return out.dtype == out_dtype and bool(torch.allclose(out.float(), expected, rtol=eps, atol=eps))
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+              out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch._scaled_mm(a, b, scale_a=, scale_b=, bias=, out_dtype=) where this torch runs it here
+    (`scaled_mm_runs`), else the same product emulated: (a * scale_a) @ (b * scale_b) in fp32, + bias.
+
+    a (M, K) and b (K, N) in fp8 (on a GPU: b column-major, dims multiples of 16), float32 scales of
+    shape () each or (M, 1) and (1, N). Returns (M, N) in out_dtype, a 16- or 32-bit float (torch's fp8
+    outputs, which need a scale of their own, are not offered).
+    """
+    if out_dtype in FP8_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype}: scaled_mm returns a 16- or 32-bit float; quantize its output "
+                         f"afterwards if an fp8 one is needed")
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    if scaled_mm_runs(str(a.device), a.dtype, b.dtype, rowwise, out_dtype, bias is not None):
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    out = (fp8_to_float(a) * scale_a) @ (fp8_to_float(b) * scale_b)         # (M, N), fp32 accumulation
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
 def has_fp8_matmul(device: torch.device) -> bool:
     """Whether torch._scaled_mm runs on fp8 tensor cores here (NVIDIA compute capability 8.9+)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -361,7 +433,7 @@ def fp8_matmul(a: torch.Tensor, b_t: torch.Tensor, recipe: Float8Recipe, a_dtype
         else:
             sb = sb.t()
         mm_dtype = out_dtype if recipe.granularity == "tensorwise" or out_dtype == torch.bfloat16 else torch.bfloat16
-        return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=mm_dtype).to(out_dtype)
+        return scaled_mm(qa, qb.t(), sa, sb, out_dtype=mm_dtype).to(out_dtype)
     # Emulation: the same fp8 values and scales, multiplied in fp32.
     return (dequantize(qa, sa, tile_a) @ dequantize(qb, sb, tile_b).t()).to(out_dtype)
 

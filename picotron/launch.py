@@ -7,21 +7,31 @@
 
     losses = run(step, world_size=4, timeout=120)   # [loss on rank 0, ..., loss on rank 3]
 
-Each rank is a forked child process (0.1 s for 4 ranks, and unlike `spawn` it works with a
-function defined in a notebook cell). The children join one process group: NCCL with one GPU
-per rank when there are enough GPUs, otherwise gloo on the CPU, N processes standing in for
-N GPUs. The collectives are the same; only the speed differs.
+How the ranks start. A rank must begin in a clean interpreter: forking the caller itself would
+copy a notebook that has already run a backward pass (autograd's device threads, which a forked
+child cannot use on a machine with a GPU) or touched CUDA (which a forked child cannot
+initialise again). So the first `run` starts one helper process, the *rank server*: a fresh
+Python that imports torch and then only waits. Each `run` asks it to fork the N ranks, so every
+rank starts from that clean, already-imported state (about 0.1 s for 4 ranks, against about
+1 s to start a Python with torch; the server itself costs that once). The function travels to
+the ranks with cloudpickle, which copies a function defined in a notebook cell, with the
+values it uses, by value. The ranks join one process group whose store the caller hosts:
+NCCL with one GPU per rank when there are enough GPUs, otherwise gloo on the CPU, N processes
+standing in for N GPUs, with the GPUs hidden from them so that they never initialise CUDA
+(the caller's own single-process work keeps the GPU). The collectives are the same; only the
+speed differs.
 
 What the caller can rely on:
 - every rank is seeded with the same seed and runs with one CPU thread (N ranks share the
-  machine's cores; more threads per rank oversubscribe them and a forked child that keeps
-  the parent's OpenMP threads can hang);
+  machine's cores; more threads per rank oversubscribe them);
 - each rank's stdout and stderr come back to the caller, line by line, as "[rank r] ...";
-- the return value is the list of per-rank results;
+- the return value is the list of per-rank results (moved to the CPU);
 - when a rank raises, every rank is stopped and the caller gets the same exception type,
-  with the rank and its traceback in the message;
+  with the rank and its traceback in the message; a rank that dies without raising (a crash
+  in native code, os._exit, out of memory) is reported with its exit code, ahead of the
+  connection errors it causes on the ranks that were waiting for it;
 - after `timeout` seconds every rank is killed and a TimeoutError names the ranks that had
-  not finished; no child process outlives the call.
+  not finished; no rank outlives the call, and the rank server dies with the caller.
 
 Under `torchrun` (RANK and WORLD_SIZE set) `run` calls `fn` in the current process and
 all-gathers the results, so the same notebook code works on a real cluster.
@@ -29,14 +39,20 @@ all-gathers the results, so the same notebook code works on a real cluster.
 
 from __future__ import annotations
 
+import atexit
+import linecache
 import os
 import pickle
-import re
 import random
-import select
+import re
 import selectors
 import signal
+import socket
+import struct
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -50,14 +66,13 @@ __all__ = ["run", "device", "backend_for", "RankError"]
 
 
 class RankError(RuntimeError):
-    """Raised in the caller when a rank failed with an exception that cannot be rebuilt."""
+    """Raised in the caller when a rank failed without an exception that can be rebuilt there
+    (it died, or its exception could not travel)."""
 
 
 def backend_for(world_size: int) -> str:
     """NCCL when every rank can have its own GPU, otherwise gloo on the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
+    return "nccl" if _gpu_count() >= world_size else "gloo"
 
 
 def device() -> torch.device:
@@ -80,37 +95,53 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def run(fn: Callable, world_size: int, *, args: tuple = (), kwargs: dict | None = None,
         timeout: float = 180, seed: int = 0, backend: str = "auto") -> list:
     """Call `fn(*args, **kwargs)` on `world_size` ranks and return the per-rank results."""
     kwargs = kwargs or {}
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be at least 1")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a whole number of ranks, at least 1")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}; choose 'auto', 'gloo' or 'nccl'")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_in_place(fn, world_size, args, kwargs, seed, backend)
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; "
                            "call run() from a process that has none (or under torchrun)")
-    backend = backend_for(world_size) if backend == "auto" else backend
-    if backend == "nccl" and torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised in this process, and forked ranks cannot use it. "
-                           "Restart the kernel and call run() before any CUDA work in the parent "
-                           "(do GPU work inside the function you pass to run).")
-    _say_backend_once(backend, world_size)
-    return _Launch(fn, world_size, args, kwargs, timeout, seed, backend).go()
+    backend = _choose_backend(backend, world_size)
+    with _launch_lock:
+        return _Launch(fn, world_size, args, kwargs, timeout, seed, backend).go()
+
+
+def _choose_backend(backend: str, world_size: int) -> str:
+    """Say once, for each world size, where the ranks run and why."""
+    gpus = _gpu_count()
+    if backend == "nccl" and gpus < world_size:
+        why = ("this torch is a CPU build" if not torch.backends.cuda.is_built() else
+               f"{gpus} GPU{'s' if gpus != 1 else ''} visible here")
+        raise ValueError(f"backend='nccl' needs one GPU per rank, {world_size} in all, but {why}; "
+                         "use backend='gloo' (or 'auto') to run the ranks as CPU processes")
+    chosen = backend_for(world_size) if backend == "auto" else backend
+    if (chosen, world_size) not in _told:
+        _told.add((chosen, world_size))
+        ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+        if chosen == "nccl":
+            print(f"picotron.launch: {ranks} with NCCL, one GPU each (cuda:0..{world_size - 1})")
+        else:
+            why = ("asked for" if backend == "gloo" else
+                   "no GPU here" if gpus == 0 else
+                   f"{gpus} GPU{'s' if gpus != 1 else ''} here, fewer than {world_size}; "
+                   "the ranks leave the GPU to this process")
+            print(f"picotron.launch: {ranks} as CPU processes with gloo ({why})")
+    return chosen
 
 
 _told: set = set()
-
-
-def _say_backend_once(backend: str, world_size: int) -> None:
-    if backend == "gloo" and world_size not in _told:
-        _told.add(world_size)
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
-        why = (f"{gpus} GPU{'s' if gpus != 1 else ''} here, fewer than {world_size}" if gpus < world_size
-               else "asked for")
-        print(f"picotron.launch: {ranks} as CPU processes with gloo ({why})")
+_launch_lock = threading.Lock()
 
 
 def _run_in_place(fn: Callable, world_size: int, args: tuple, kwargs: dict, seed: int, backend: str) -> list:
@@ -119,7 +150,8 @@ def _run_in_place(fn: Callable, world_size: int, args: tuple, kwargs: dict, seed
                          f"launch torchrun with --nproc-per-node {world_size}")
     owns_group = not dist.is_initialized()
     if owns_group:
-        backend = backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))) if backend == "auto" else backend
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        backend = _choose_backend(backend, local_world) if backend != "gloo" else backend
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
@@ -134,120 +166,63 @@ def _run_in_place(fn: Callable, world_size: int, args: tuple, kwargs: dict, seed
     return results
 
 
+# ---- the caller's side -------------------------------------------------------------------------
 @dataclass
 class _Rank:
-    """The parent's view of one child: its pid, its output pipe and its result pipe."""
+    """The caller's view of one rank: its pid, its output pipe and its result pipe."""
     rank: int
-    pid: int
     out_fd: int
     result_fd: int
+    pid: int = 0
     out_buffer: bytes = b""
     result: bytearray = field(default_factory=bytearray)  # grows in place: a large result stays linear
     open_fds: set = field(default_factory=set)
     exit_code: int | None = None
+    died: bool = False  # ended without a result (before the caller stopped it)
     redrawing: bool = False  # the last thing printed was a progress-bar redraw without newline
 
 
 class _Launch:
     def __init__(self, fn, world_size, args, kwargs, timeout, seed, backend):
-        self.fn, self.world_size, self.args, self.kwargs = fn, world_size, args, kwargs
-        self.timeout, self.seed, self.backend = timeout, seed, backend
+        self.fn, self.world_size, self.timeout = fn, world_size, timeout
+        self.task = _pickle_task(fn, args, kwargs)
+        self.seed, self.backend = seed, backend
         self.ranks: list[_Rank] = []
-        self.first_failure: _Rank | None = None
+        self.failed: list[_Rank] = []
 
     def go(self) -> list:
         sys.stdout.flush()
         sys.stderr.flush()
+        # The caller hosts the rendezvous store on a port the OS picks: no fixed port, no race.
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.timeout), wait_for_workers=False)
+        self.server = _server()
+        child_fds = []
         try:
-            # Rank 0 hosts the rendezvous store on a port the OS picks (no fixed port, no race)
-            # and tells us the port; the parent starts no threads of its own before forking,
-            # since a fork taken while another thread holds a lock can deadlock the child.
-            port_read, port_write = os.pipe()
-            self.ranks.append(self._fork(0, None, port_write))
-            port = self._read_port(port_read)
-            for rank in range(1, self.world_size):
-                self.ranks.append(self._fork(rank, port, None))
+            for rank in range(self.world_size):
+                out_read, out_write = os.pipe()
+                result_read, result_write = os.pipe()
+                self.ranks.append(_Rank(rank, out_read, result_read, open_fds={out_read, result_read}))
+                child_fds += [out_write, result_write]
+            request = {"world_size": self.world_size, "backend": self.backend, "port": store.port,
+                       "seed": self.seed, "timeout": self.timeout, "task": self.task,
+                       "cwd": os.getcwd(), "sys_path": list(sys.path), "env": dict(os.environ),
+                       "sources": _cell_sources()}
+            pids = self.server.launch(request, child_fds)
+            for fd in child_fds:
+                os.close(fd)
+            child_fds = []
+            for r, pid in zip(self.ranks, pids):
+                r.pid = pid
             self._watch()
         finally:
-            self._kill_all()
+            for fd in child_fds:
+                os.close(fd)
+            self._stop_all()
             for r in self.ranks:
                 for fd in r.open_fds:
                     os.close(fd)
+            del store
         return self._collect()
-
-    def _read_port(self, port_read: int) -> int:
-        with os.fdopen(port_read, "rb") as f:
-            ready, _, _ = select.select([f], [], [], self.timeout)
-            if not ready:
-                raise TimeoutError(f"rank 0 did not start the rendezvous store within {self.timeout:g} s")
-            data = f.read()
-        if not data:  # rank 0 failed before its store was up: raise its error
-            self._watch()
-            self._collect()
-            raise RankError(f"rank 0 did not start the rendezvous store within {self.timeout:g} s")
-        return int(data)
-
-    # ---- the child -------------------------------------------------------------------
-    def _fork(self, rank: int, port: int | None, port_fd: int | None) -> _Rank:
-        out_read, out_write = os.pipe()
-        result_read, result_write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: never returns
-            os.close(out_read)
-            os.close(result_read)
-            for r in self.ranks:  # the pipes of earlier ranks belong to the parent
-                for fd in r.open_fds:
-                    os.close(fd)
-            self._child(rank, port, port_fd, out_write, result_write)
-        os.close(out_write)
-        os.close(result_write)
-        if port_fd is not None:
-            os.close(port_fd)
-        return _Rank(rank, pid, out_read, result_read, open_fds={out_read, result_read})
-
-    def _child(self, rank: int, port: int | None, port_fd: int | None, out_fd: int, result_fd: int) -> None:
-        code = 0
-        try:
-            os.setpgid(0, 0)  # own process group: killing it takes any grandchildren too
-            _die_with_parent()
-            torch.set_num_threads(1)
-            # Point fds 1 and 2 at the pipe, so prints, warnings and C++ logs all come back.
-            os.dup2(out_fd, 1)
-            os.dup2(out_fd, 2)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)
-            payload = self._child_body(rank, port, port_fd)
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
-            payload = ("error", _describe(e, rank))
-            code = 1
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            with os.fdopen(result_fd, "wb") as f:
-                f.write(pickle.dumps(payload))
-        except BaseException as e:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            with os.fdopen(os.dup(2), "w") as err:
-                err.write(f"could not send the result of rank {rank} to the parent: {e!r}\n")
-            code = 2
-        os._exit(code)  # skip the parent's atexit handlers (Jupyter's, pytest's)
-
-    def _child_body(self, rank: int, port: int | None, port_fd: int | None) -> tuple:
-        if self.backend == "nccl":
-            torch.cuda.set_device(rank)
-        timeout = timedelta(seconds=self.timeout)
-        if rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
-                                  wait_for_workers=False, timeout=timeout)
-            with os.fdopen(port_fd, "wb") as f:
-                f.write(str(store.port).encode())
-        else:
-            store = dist.TCPStore("127.0.0.1", port, self.world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.timeout))
-        seed_everything(self.seed)
-        result = _to_cpu(self.fn(*self.args, **self.kwargs))  # a CUDA tensor would initialise CUDA in the parent
-        dist.destroy_process_group()
-        return ("ok", result)
 
     # ---- the parent ------------------------------------------------------------------
     def _watch(self) -> None:
@@ -272,7 +247,7 @@ class _Launch:
                         if kind == "out":
                             self._print(r, final=True)
                         elif self._failed(r):
-                            self.first_failure = r
+                            self.failed.append(r)
                             self._drain(selector)
                             return
                     elif kind == "out":
@@ -284,23 +259,30 @@ class _Launch:
             selector.close()
 
     def _failed(self, r: _Rank) -> bool:
+        r.died = not r.result
         try:
             return pickle.loads(r.result)[0] == "error"
-        except Exception:  # noqa: BLE001 - an empty or cut result is a failure too
+        except Exception:  # noqa: BLE001 - an empty or cut result is a failure too (the rank died)
             return True
 
     def _drain(self, selector) -> None:
-        """A rank failed: give the others a moment to print, then stop everyone."""
+        """A rank failed: give the others a moment to print and to report how they ended (a
+        rank that died shows up here too, after the connection errors it caused), then stop."""
         end = time.monotonic() + 0.3
         while selector.get_map() and time.monotonic() < end:
             for key, _ in selector.select(timeout=0.05):
                 r, kind = key.data
                 chunk = os.read(key.fd, 1 << 16)
-                if kind == "out" and chunk:
-                    r.out_buffer += chunk
-                    self._print(r)
-                elif kind == "result" and chunk:
-                    r.result += chunk
+                if chunk:
+                    if kind == "out":
+                        r.out_buffer += chunk
+                        self._print(r)
+                    else:
+                        r.result += chunk
+                    continue
+                selector.unregister(key.fd)
+                if kind == "result" and self._failed(r):
+                    self.failed.append(r)
         for r in self.ranks:
             self._print(r, final=True)
 
@@ -331,25 +313,25 @@ class _Launch:
                            "check that all ranks make the same collective calls in the same order, "
                            "or raise `timeout`.")
 
-    def _kill_all(self) -> None:
-        """Reap every child; kill (with its process group) any that is still running."""
+    def _stop_all(self) -> None:
+        """Kill every rank still running (with its process group) and learn every exit code."""
+        codes = self.server.exit_codes([r.pid for r in self.ranks if r.pid], kill=True)
         for r in self.ranks:
-            if r.exit_code is not None:
-                continue
-            pid, status = os.waitpid(r.pid, os.WNOHANG)
-            if pid == 0:
-                for kill in (os.killpg, os.kill):
-                    try:
-                        kill(r.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                _, status = os.waitpid(r.pid, 0)
-            r.exit_code = os.waitstatus_to_exitcode(status)
+            r.exit_code = codes.get(r.pid)
 
     def _collect(self) -> list:
-        if self.first_failure is not None and self.first_failure.result:
-            status, value = pickle.loads(self.first_failure.result)
-            raise _rebuild(value)
+        # A rank that died without a result is the cause; the ranks that were waiting for it in
+        # a collective fail afterwards with connection errors, so report the death first.
+        dead = [r for r in self.ranks if r.died]
+        if dead:
+            r = dead[0]
+            raise RankError(f"rank {r.rank} (exit code {r.exit_code}) died without a result; a crash in native "
+                            "code (a negative code is the signal that killed it), os._exit or running out of "
+                            "memory does this" + self._others(r))
+        for r in self.failed:
+            if r.result:
+                status, value = pickle.loads(r.result)
+                raise _rebuild(value)
         results = []
         for r in self.ranks:
             if not r.result:
@@ -359,14 +341,312 @@ class _Launch:
                 raise _rebuild(value)
             results.append(value)
         if len(results) < self.world_size:
-            dead = [f"rank {r.rank} (exit code {r.exit_code})" for r in self.ranks if not r.result]
-            raise RankError(f"{', '.join(dead)} died without a result; a crash in native code or os._exit "
-                            "does this, or running out of memory")
+            gone = [f"rank {r.rank} (exit code {r.exit_code})" for r in self.ranks if not r.result]
+            raise RankError(f"{', '.join(gone)} died without a result; a crash in native code, os._exit or "
+                            "running out of memory does this")
         return results
+
+    def _others(self, dead: _Rank) -> str:
+        errors = [r for r in self.ranks if r is not dead and r.result and self._failed(r)]
+        if not errors:
+            return ""
+        return "; then " + ", ".join(f"rank {r.rank}" for r in errors) + " failed waiting for it"
+
+
+def _pickle_task(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    import cloudpickle
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as e:  # noqa: BLE001 - say what could not travel and what to do instead
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"run() cannot send {name} and its arguments to the ranks: {type(e).__name__}: {e}. "
+                        "Each rank gets a copy of the function, its arguments and the notebook values it uses; "
+                        "create such an object inside the function instead (or pass what it is built from)") from e
+
+
+def _cell_sources() -> dict:
+    """Source lines of code that has no file (notebook cells): a rank's traceback shows them."""
+    return {name: entry for name, entry in list(linecache.cache.items())
+            if len(entry) == 4 and entry[3] and not os.path.exists(name)}
+
+
+def _rebuild(info: dict) -> BaseException:
+    """The caller gets the rank's exception type, with the rank and its traceback in the message."""
+    message = f"rank {info['rank']} raised {info['type'].__name__}: {info['message']}\n\n" \
+              f"--- traceback of rank {info['rank']} ---\n{info['traceback']}"
+    try:
+        return info["type"](message)
+    except Exception:  # noqa: BLE001 - some exception types need other constructor arguments
+        return RankError(message)
+
+
+# ---- the rank server ---------------------------------------------------------------------------
+# The caller and the server talk over a Unix socket in frames: 4 bytes of length, then a pickle.
+# A launch request carries two pipe ends per rank (output, result) as file descriptors.
+_FRAME = struct.Struct("!I")
+
+
+def _send(sock: socket.socket, message: Any, fds: list[int] = ()) -> None:
+    data = pickle.dumps(message)
+    socket.send_fds(sock, [_FRAME.pack(len(data))], list(fds))
+    sock.sendall(data)
+
+
+def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[Any, list[int]]:
+    """One frame and the descriptors that came with it; (None, []) when the other side is gone."""
+    header, fds, _, _ = socket.recv_fds(sock, _FRAME.size, max_fds) if max_fds else (sock.recv(_FRAME.size), [], 0, 0)
+    if not header:
+        return None, []
+    header += _read_exactly(sock, _FRAME.size - len(header))
+    return pickle.loads(_read_exactly(sock, _FRAME.unpack(header)[0])), list(fds)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the rank server closed the connection")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+class _Server:
+    """The caller's handle on its rank server."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.log = tempfile.TemporaryFile()  # what the server itself prints, shown if it fails
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+        env["OMP_NUM_THREADS"] = "1"
+        # Asking how many GPUs there are must not initialise CUDA in the server (a forked rank
+        # could not use it then): count them through NVML instead.
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(name, None)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", f"import picotron.launch as l; l._serve({theirs.fileno()})"],
+            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stderr=self.log,
+            start_new_session=True)
+        theirs.close()
+        self.sock = ours
+        self.exited: dict[int, int] = {}
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def launch(self, request: dict, fds: list[int]) -> list[int]:
+        _send(self.sock, request, fds)
+        while True:
+            message = self._next()
+            if message[0] == "started":
+                return message[1]
+            if message[0] == "failed":
+                raise RuntimeError(f"the rank server could not start the ranks: {message[1]}")
+
+    def exit_codes(self, pids: list[int], kill: bool) -> dict[int, int]:
+        """Wait until every pid has exited (killing those still running if `kill`); their exit codes."""
+        if kill:
+            for pid in pids:
+                if pid and pid not in self.exited:
+                    _kill_group(pid)
+        deadline = time.monotonic() + 30
+        while any(pid and pid not in self.exited for pid in pids):
+            if time.monotonic() > deadline:  # the server is stuck: take it down, its ranks go with it
+                self.close()
+                break
+            self._next(timeout=1.0)
+        return {pid: self.exited.get(pid) for pid in pids}
+
+    def _next(self, timeout: float | None = None) -> tuple:
+        self.sock.settimeout(timeout)
+        try:
+            message, _ = _receive(self.sock)
+        except socket.timeout:
+            return ("waiting",)
+        finally:
+            self.sock.settimeout(None)
+        if message is None:
+            code = self.process.wait()
+            self.log.seek(0)
+            said = self.log.read().decode(errors="replace")[-4000:]
+            raise RuntimeError(f"the rank server exited (code {code}); the next run() starts a new one. "
+                               f"It said:\n{said}")
+        if message[0] == "exited":
+            self.exited[message[1]] = message[2]
+        return message
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.alive():
+            self.process.kill()
+        self.process.wait()
+
+
+_the_server: _Server | None = None
+
+
+def _server() -> _Server:
+    """The caller's rank server, started on first use (about a second: a fresh Python imports torch)."""
+    global _the_server
+    if _the_server is None or not _the_server.alive():
+        _the_server = _Server()
+        atexit.register(_the_server.close)
+    return _the_server
+
+
+def _kill_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):  # the group takes the rank's own children with it
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _serve(fd: int) -> None:
+    """The rank server's loop: fork the ranks of each request, report each rank's exit code."""
+    # Imported once here rather than in every rank (none of them initialises CUDA on import).
+    import cloudpickle  # noqa: F401
+    try:
+        import picotron.train  # noqa: F401 - the model, the techniques, the trainer: what ranks mostly run
+    except Exception:  # noqa: BLE001 - a rank that needs it will report why it fails to import
+        pass
+    _die_with_parent()
+    sock = socket.socket(fileno=fd)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a rank exited: the wakeup pipe says so
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ, "request")
+    selector.register(wake_read, selectors.EVENT_READ, "exit")
+    running: set[int] = set()
+    while True:
+        for key, _ in selector.select():
+            if key.data == "exit":
+                os.read(wake_read, 1 << 12)
+                for pid, code in _reap(running):
+                    _send(sock, ("exited", pid, code))
+                continue
+            request, fds = _receive(sock, max_fds=2 * 1024)
+            if request is None:  # the caller is gone: so are its ranks
+                for pid in running:
+                    _kill_group(pid)
+                os._exit(0)
+            try:
+                pids = []
+                for rank in range(request["world_size"]):
+                    pid = os.fork()
+                    if pid == 0:
+                        os.close(wake_read)
+                        os.close(wake_write)
+                        sock.close()
+                        _rank_main(rank, request, fds)  # never returns
+                    try:
+                        os.setpgid(pid, pid)  # also done by the child: whichever runs first
+                    except OSError:
+                        pass
+                    pids.append(pid)
+                    running.add(pid)
+                _send(sock, ("started", pids))
+            except Exception as e:  # noqa: BLE001 - tell the caller rather than die
+                _send(sock, ("failed", f"{type(e).__name__}: {e}"))
+            finally:
+                for descriptor in fds:
+                    os.close(descriptor)
+
+
+def _reap(running: set[int]) -> list[tuple[int, int]]:
+    done = []
+    while running:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        running.discard(pid)
+        done.append((pid, os.waitstatus_to_exitcode(status)))
+    return done
+
+
+# ---- a rank ------------------------------------------------------------------------------------
+def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
+    """In a freshly forked rank: adopt the caller's environment, run the task, send the result."""
+    out_fd, result_fd = fds[2 * rank], fds[2 * rank + 1]
+    code = 0
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setpgid(0, 0)  # own process group: killing it takes any grandchildren too
+        _die_with_parent()
+        for descriptor in fds:  # the other ranks' pipes belong to them
+            if descriptor not in (out_fd, result_fd):
+                os.close(descriptor)
+        # Point fds 1 and 2 at the pipe, so prints, warnings and C++ logs all come back.
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request["backend"] == "gloo":
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks never initialise CUDA
+        os.chdir(request["cwd"])
+        sys.path[:] = request["sys_path"]
+        linecache.cache.update(request["sources"])
+        torch.set_num_threads(1)
+        payload = _rank_body(rank, request)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
+        payload = ("error", _describe(e, rank))
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        data = _dumps(payload, rank)
+    except BaseException as e:  # noqa: BLE001 - the error itself cannot travel: say what it was
+        data = pickle.dumps(("error", {"type": RankError, "rank": rank, "message": f"{type(e).__name__}: {e}",
+                                       "traceback": ""}))
+        code = 2
+    with os.fdopen(result_fd, "wb") as f:
+        f.write(data)
+    os._exit(code)  # skip the server's atexit handlers
+
+
+def _rank_body(rank: int, request: dict) -> tuple:
+    import cloudpickle  # noqa: F401 - loads what cloudpickle dumped
+    world_size, backend = request["world_size"], request["backend"]
+    timeout = timedelta(seconds=request["timeout"])
+    fn, args, kwargs = pickle.loads(request["task"])
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", request["port"], world_size, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    seed_everything(request["seed"])
+    result = _to_cpu(fn(*args, **kwargs))  # the caller gets CPU tensors, whatever its device
+    dist.destroy_process_group()
+    return ("ok", result)
+
+
+def _dumps(payload: tuple, rank: int) -> bytes:
+    import cloudpickle
+    try:
+        return cloudpickle.dumps(payload)
+    except Exception as e:  # noqa: BLE001 - a result that cannot travel is the rank's error
+        if payload[0] != "ok":
+            raise
+        message = (f"its return value ({type(payload[1]).__name__}) cannot be sent back: {type(e).__name__}: {e}. "
+                   "Return plain values (numbers, strings, tensors, lists, dicts of them)")
+        return cloudpickle.dumps(("error", {"type": RankError, "rank": rank, "message": message, "traceback": ""}))
 
 
 def _die_with_parent() -> None:
-    """On Linux, ask the kernel to kill this rank if the parent dies (even by SIGKILL)."""
+    """On Linux, ask the kernel to kill this process if its parent dies (even by SIGKILL)."""
     if sys.platform.startswith("linux"):
         import ctypes
         PR_SET_PDEATHSIG = 1
@@ -384,20 +664,14 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _describe(e: BaseException, rank: int) -> dict:
+    import cloudpickle
     kind = type(e)
     try:
-        pickle.loads(pickle.dumps(kind))  # a class defined inside a function cannot travel
+        cloudpickle.dumps(kind)  # a class defined in a notebook cell travels by value
     except Exception:  # noqa: BLE001
         kind = RankError
+    frames = e.__traceback__
+    while frames is not None and frames.tb_next is not None and frames.tb_frame.f_code.co_filename == __file__:
+        frames = frames.tb_next  # start at the user's code, not at the launcher's frames around it
     return {"type": kind, "rank": rank, "message": f"{type(e).__name__}: {e}" if kind is RankError else str(e),
-            "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))}
-
-
-def _rebuild(info: dict) -> BaseException:
-    """The caller gets the rank's exception type, with the rank and its traceback in the message."""
-    message = f"rank {info['rank']} raised {info['type'].__name__}: {info['message']}\n\n" \
-              f"--- traceback of rank {info['rank']} ---\n{info['traceback']}"
-    try:
-        return info["type"](message)
-    except Exception:  # noqa: BLE001 - some exception types need other constructor arguments
-        return RankError(message)
+            "traceback": "".join(traceback.format_exception(type(e), e, frames))}

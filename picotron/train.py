@@ -12,6 +12,7 @@
     python -m picotron.train --config configs/tiny_dp4.json --lr 1e-3
     python -m picotron.train --steps 100 --save-dir ckpt --save-every 50      # checkpoints (DCP), then:
     python -m picotron.train --steps 200 --dp 2 --tp 2 --resume ckpt/step_000100   # resume, in another layout
+    python -m picotron.train --steps 0 --save-dir init  # train nothing: save the initial state, init/step_000000
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
 Without torchrun it starts the ranks itself (picotron.launch.run); under torchrun each
@@ -38,6 +39,12 @@ mixture-of-experts model (--preset tiny-moe), --ep 4 splits the experts over gro
 ranks, tokens travelling to their experts by all-to-all, while --tp splits the attention
 (chapter 07). The combinations that do not go together are refused by
 picotron.config.check_combination, with the reason and the fix.
+
+Bad input stops the command before any rank starts, with one line naming the problem and the
+fix and no traceback (exit status 2, as argparse's own errors): a value of the wrong type or
+range (--seq-len 0, "dp": "2" in a JSON config), a config file that cannot be read or parsed,
+a combination of axes that does not go together, a --log-file or --save-dir that cannot be
+written. --steps 0 trains nothing; with --save-dir it saves the initial state as step_000000.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from tqdm.auto import tqdm
 
 from picotron import checkpoint, comm, launch
 from picotron.config import (CP_MODES, FP8_RECIPES, PP_SCHEDULES, PRESETS, Config, ModelConfig, ParallelConfig,
-                             validate)
+                             TrainConfig, validate)
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
@@ -360,14 +367,33 @@ class Trainer:
             return tp.gather_along(local.contiguous(), -1, self.mesh.tp_group)  # (batch, seq, vocab)
 
 
+def check_outputs(t: TrainConfig, *, log_file: bool = True) -> None:
+    """Raise ValueError naming the fix if t.log_file (when `log_file`: only the logging rank writes it) or
+    t.save_dir cannot be written: before step 0, not at the first log line or checkpoint."""
+    if t.log_file and log_file:
+        try:
+            open(t.log_file, "a").close()
+        except OSError as error:
+            raise ValueError(f"log_file={t.log_file!r} (--log-file) cannot be written: {error.strerror or error}; "
+                             f"choose a file in a directory this process may write to") from None
+    if t.save_dir:
+        checkpoint.check_save_dir(t.save_dir)
+
+
 def train(config: Config, *, progress: bool = True) -> dict:
-    """Train on this rank (a process group must exist if the world has more than one rank)."""
+    """Train on this rank (a process group must exist if the world has more than one rank).
+
+    train.steps=0 trains nothing: the initial model is evaluated, and with save_dir saved as
+    save_dir/step_000000 (the state "after the last step"). Resumed at or past train.steps, nothing is
+    trained or saved either: the checkpoint resumed from holds that state.
+    """
     mesh = None
     if dist.is_initialized():
         p = config.parallel
         mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp)
-    trainer = Trainer(config, mesh)
     is_logger = mesh is None or mesh.rank == 0
+    check_outputs(config.train, log_file=is_logger)   # before building anything
+    trainer = Trainer(config, mesh)
     if mesh:
         dist.barrier()  # ranks measure the peak together, so each sees its share of a shared CPU
     peak, peak_source = peak_flops(trainer.device)
@@ -389,6 +415,14 @@ def train(config: Config, *, progress: bool = True) -> dict:
     start = checkpoint.load(trainer, t.resume) if t.resume else 0    # every rank reads its part
     if is_logger and t.resume:
         print(f"resumed from {t.resume} at step {start}")
+    if start >= t.steps:   # nothing to train
+        initial = os.path.join(t.save_dir, f"step_{start:06d}") if t.save_dir and not t.resume else None
+        if is_logger:
+            saved = (f"; saving the initial state to {initial}" if initial else
+                     f"; no checkpoint written to {t.save_dir} ({t.resume} holds this state)" if t.save_dir else "")
+            print(f"steps={t.steps}: nothing to train{f' from step {start}' if t.resume else ''}{saved}")
+        if initial:
+            checkpoint.save(trainer, initial, start)    # every rank writes its part
     log = open(t.log_file, "a") if is_logger and t.log_file else None
     bar = tqdm(range(start, t.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
@@ -427,7 +461,10 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--preset", help=f"model shape: {', '.join(PRESETS)}")
     for axis in ("dp", "pp", "cp", "tp"):
         parser.add_argument(f"--{axis}", type=int)
-    for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "seed", "log_every"):
+    parser.add_argument("--steps", type=int,
+                        help="optimizer steps in all, resumed ones included; 0 trains nothing (the initial model is "
+                             "evaluated, and with --save-dir saved as SAVE_DIR/step_000000)")
+    for name in ("micro_batch_size", "grad_accum_steps", "seq_len", "seed", "log_every"):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     for name in ("lr", "weight_decay"):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
@@ -458,8 +495,11 @@ def parse_args(argv: list[str] | None) -> Config:
                         help="RMSNorm by torch ops or by picotron's Triton kernels (chapter 09; interpreted on a CPU)")
     parser.add_argument("--dataset", help="'arithmetic' (built in) or a .txt/.jsonl file or folder")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"])
-    parser.add_argument("--log-file", dest="log_file", help="rank 0 appends one JSON line per step to this file")
-    parser.add_argument("--save-dir", dest="save_dir", help="write checkpoints to SAVE_DIR/step_NNNNNN (DCP)")
+    parser.add_argument("--log-file", dest="log_file", help="rank 0 appends one JSON line per step to this file "
+                                                            "(checked writable before step 0)")
+    parser.add_argument("--save-dir", dest="save_dir",
+                        help="write checkpoints to SAVE_DIR/step_NNNNNN (DCP; created and checked writable before "
+                             "step 0); with --steps 0, the initial state as step_000000")
     parser.add_argument("--save-every", dest="save_every", type=int,
                         help="steps between checkpoints (default: only after the last step)")
     parser.add_argument("--resume", help="a checkpoint directory to continue from, saved with any layout")
@@ -482,14 +522,25 @@ def parse_args(argv: list[str] | None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Train with the command line's config: in place for one rank or under torchrun, else on forked ranks."""
-    config = parse_args(argv)
-    validate(config)
+    """Train with the command line's config: in place for one rank or under torchrun, else on ranks from picotron.launch.
+
+    Bad input (see the module docstring) exits with status 2 and one line on stderr, before any rank starts.
+    """
+    try:
+        config = parse_args(argv)
+        validate(config)
+        # Only global rank 0 writes the log (under torchrun RANK is set; otherwise this process starts the ranks).
+        check_outputs(config.train, log_file=int(os.environ.get("RANK", "0")) == 0)
+    except (ValueError, NotImplementedError) as error:
+        print(f"python -m picotron.train: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     world = config.parallel.world_size
     progress = sys.stdout.isatty()  # a progress bar in a terminal; plain log lines in a file or CI log
     if world == 1 and not dist.is_initialized():
         return train(config, progress=progress)
-    return launch.run(train, world, args=(config,), kwargs={"progress": progress}, timeout=24 * 3600,
+    # `python -m picotron.train` runs this file as __main__; the ranks import it by its name instead.
+    from picotron.train import train as importable_train
+    return launch.run(importable_train, world, args=(config,), kwargs={"progress": progress}, timeout=24 * 3600,
                       seed=config.train.seed, backend=config.train.backend)[0]
 
 

@@ -88,6 +88,9 @@ def test_token_dataset_windows():
         dataset[3]
     with pytest.raises(ValueError, match="too short for one window"):
         TokenDataset(torch.arange(8), seq_len=8)
+    for seq_len in (0, -3):   # not a ZeroDivisionError in len(), nor windows running backwards
+        with pytest.raises(ValueError, match=re.escape(f"seq_len={seq_len} must be at least 1")):
+            TokenDataset(tokens, seq_len=seq_len)
 
 
 def _loader(micro_batch_size, dp_rank=0, dp_size=1, seed=7, **cp):
@@ -123,6 +126,8 @@ def test_loader_batch_contents_and_errors():
         _loader(2, dp_rank=4, dp_size=4)
     with pytest.raises(ValueError, match="dataset has only 64"):
         _loader(20, dp_size=4)
+    with pytest.raises(ValueError, match="micro_batch_size=0 must be at least 1"):   # not empty batches
+        _loader(0)
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])

@@ -11,12 +11,15 @@ import pytest
 import torch
 from torch import nn
 from torch.testing import assert_close
+from torch.torch_version import TorchVersion
 
 from picotron.config import ModelConfig, TrainConfig
 from picotron.data import make_loader
+import picotron.fp8 as fp8
 from picotron.fp8 import (E4M3, E5M2, FORMATS, RECIPES, Float8Linear, Float8Recipe, all_values, convert_to_float8,
                           dequantize, float8_layers, fp8_matmul, fp8_to_float, format_of, has_fp8_matmul, quantize,
-                          quantization_error_bound, recipe_of, round_mantissa, round_to, tile_amax)
+                          quantization_error_bound, recipe_of, round_mantissa, round_to, scaled_mm, scaled_mm_runs,
+                          tile_amax)
 from picotron.mixed_precision import LowPrecisionLinear
 from picotron.model import Llama, loss_fn
 
@@ -163,9 +166,16 @@ def test_a_stale_scale_saturates_instead_of_overflowing(dtype):
 
 # ---- the fp8 matmul and Float8Linear ------------------------------------------------------------------
 
+def _needs_cpu_scaled_mm(rowwise: bool) -> None:
+    if not scaled_mm_runs("cpu", E4M3, E4M3, rowwise, torch.float32):
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm lacks {'rowwise' if rowwise else 'tensorwise'} "
+                    f"scales: picotron emulates them (test_scaled_mm_falls_back_to_the_same_product)")
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_emulation_equals_scaled_mm(recipe):
     """On CPU torch._scaled_mm runs too: the real API on the same fp8 values and scales gives the emulated result."""
+    _needs_cpu_scaled_mm(rowwise=recipe == "rowwise")
     a, b_t = activations(64, 256, seed=1), activations(48, 256, seed=2) * 0.02
     r = recipe_of(recipe)
     qa, sa = quantize(a, E4M3, r.tile(a.shape))
@@ -185,7 +195,7 @@ def test_the_scaled_mm_path_forced_on_cpu(recipe, monkeypatch):
     """The GPU path of Float8Linear (torch._scaled_mm, second operand column-major, float32 scales of shape ()
     or (M, 1) / (1, N)) run on this CPU: the same three products as the emulation; rowwise output goes through bf16,
     as _scaled_mm requires for rowwise scales."""
-    import picotron.fp8 as fp8
+    _needs_cpu_scaled_mm(rowwise=recipe == "rowwise")
     torch.manual_seed(0)
     linear = nn.Linear(256, 128, bias=False)
     x, grad = torch.randn(64, 256), torch.randn(64, 128) * 1e-3
@@ -215,6 +225,95 @@ def test_the_scaled_mm_path_forced_on_cpu(recipe, monkeypatch):
     else:
         assert calls[0][2:4] == ((64, 1), (1, 128))                                  # (M, 1) and (1, N)
         assert all(rel_err(a, b) < 2 ** -8 for a, b in zip(real, emulated))
+
+
+@pytest.fixture
+def fresh_scaled_mm_runs():
+    """scaled_mm_runs' cache emptied before and after: trials made under a fake kernel are not kept."""
+    scaled_mm_runs.cache_clear()
+    yield scaled_mm_runs
+    scaled_mm_runs.cache_clear()
+
+
+@pytest.mark.skipif(TorchVersion(torch.__version__) < "2.13", reason="torch 2.13 is the first with rowwise scales on "
+                                                                     "a CPU")
+def test_scaled_mm_runs_on_this_cpu_with_both_scalings(fresh_scaled_mm_runs):
+    for rowwise in (False, True):
+        for a_dtype, out_dtype in ((E4M3, torch.float32), (E5M2, torch.bfloat16)):
+            assert scaled_mm_runs("cpu", a_dtype, E4M3, rowwise, out_dtype), (rowwise, a_dtype, out_dtype)
+    assert scaled_mm_runs("cpu", E4M3, E4M3, True, torch.float32, bias=True)
+    calls_before = scaled_mm_runs.cache_info().misses
+    scaled_mm_runs("cpu", E4M3, E4M3, True, torch.float32)
+    assert scaled_mm_runs.cache_info().misses == calls_before          # tried once, then remembered
+
+
+def test_scaled_mm_runs_sees_a_kernel_without_rowwise_scales(fresh_scaled_mm_runs, monkeypatch):
+    """A kernel that refuses rowwise scales (torch 2.11's CPU one) or misuses them silently: no, for rowwise only."""
+    real = fp8._TORCH_SCALED_MM
+
+    def refuses(a, b, *, scale_a, scale_b, **kwargs):    # torch 2.11's CPU check, word for word
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    def first_scale_only(a, b, *, scale_a, scale_b, **kwargs):
+        return real(a, b, scale_a=scale_a.flatten()[0], scale_b=scale_b.flatten()[0], **kwargs)
+
+    for fake in (refuses, first_scale_only):
+        monkeypatch.setattr(fp8, "_TORCH_SCALED_MM", fake)
+        scaled_mm_runs.cache_clear()
+        assert not scaled_mm_runs("cpu", E4M3, E4M3, True, torch.float32), fake.__name__
+        assert scaled_mm_runs("cpu", E4M3, E4M3, False, torch.float32), fake.__name__
+    monkeypatch.setattr(fp8, "_TORCH_SCALED_MM", None)                  # a torch without _scaled_mm at all
+    scaled_mm_runs.cache_clear()
+    assert not scaled_mm_runs("cpu", E4M3, E4M3, False, torch.float32)
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_scaled_mm_falls_back_to_the_same_product(rowwise, out_dtype, bias, fresh_scaled_mm_runs, monkeypatch):
+    """Where this torch's _scaled_mm cannot (forced here), scaled_mm emulates it: the same (A sa) @ (B sb) + bias,
+    against the exact product and, where this torch has the kernel, against the kernel.
+
+    Tolerance from the dtypes: a sum of K fp32 terms, each the product of two fp32-rounded dequantized values,
+    is within (K + 2) u sum|terms| of the exact one (u = 2^-24; Higham's gamma bound), so two such sums in any
+    order are within 2 (K + 2) u sum|terms| of each other; a 16-bit output then rounds each by half a gap of
+    out_dtype: eps |x| / 2 from the exact value, one gap, eps max|x|, between two rounded results.
+    """
+    m, k, n = 64, 256, 48
+    g = torch.Generator().manual_seed(0)
+    qa = (torch.randn(m, k, generator=g) * 50).to(E4M3)
+    qb = (torch.randn(n, k, generator=g) * 50).to(E4M3).t()             # (K, N) column-major
+    scale_a = torch.rand(m, 1, generator=g) + 0.5 if rowwise else torch.tensor(0.3)
+    scale_b = torch.rand(1, n, generator=g) / 100 if rowwise else torch.tensor(0.02)
+    bias_value = torch.randn(n, generator=g).to(out_dtype) if bias else None
+    u, eps = 2.0 ** -24, torch.finfo(out_dtype).eps * (out_dtype != torch.float32)   # fp32 out: no 2nd rounding
+    terms = (qa.double() * scale_a.double()).abs() @ (qb.double() * scale_b.double()).abs()
+    exact = (qa.double() * scale_a.double()) @ (qb.double() * scale_b.double())
+    exact = exact + (bias_value.double() if bias else 0)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the fallback called torch._scaled_mm")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fp8, "scaled_mm_runs", lambda *args: False)
+        patch.setattr(torch, "_scaled_mm", no_kernel)
+        emulated = scaled_mm(qa, qb, scale_a, scale_b, out_dtype=out_dtype, bias=bias_value)
+    assert emulated.dtype == out_dtype and emulated.shape == (m, n)
+    bound = (k + 2) * u * terms + eps / 2 * exact.abs()
+    assert ((emulated.double() - exact).abs() <= bound).all()
+    assert (bound < 0.01 * exact.abs().max()).all()       # tight enough to catch a wrong scale, bias or dtype
+    with pytest.raises(ValueError, match="returns a 16- or 32-bit float"):
+        scaled_mm(qa, qb, scale_a, scale_b, out_dtype=E4M3)
+
+    if not scaled_mm_runs("cpu", E4M3, E4M3, rowwise, out_dtype, bias):
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm lacks these scales: no kernel to compare with")
+    real = scaled_mm(qa, qb, scale_a, scale_b, out_dtype=out_dtype, bias=bias_value)
+    assert torch.equal(real, torch._scaled_mm(qa, qb, scale_a=scale_a, scale_b=scale_b, bias=bias_value,
+                                              out_dtype=out_dtype))      # this torch runs it: the kernel itself
+    largest = torch.maximum(real.double().abs(), emulated.double().abs())
+    assert ((emulated.double() - real.double()).abs() <= 2 * (k + 2) * u * terms + eps * largest).all()
 
 
 def bf16_reference(linear: nn.Linear, x: torch.Tensor, grad: torch.Tensor):

@@ -2,21 +2,25 @@
 
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from picotron import checkpoint
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from picotron.launch import run
 from picotron.mesh import Mesh
+from picotron.model import Llama
 from picotron.parallel.tensor_parallel import gather_along, gather_parameters
 from picotron.parallel.zero3 import Zero3
-from picotron.train import Trainer, flops_per_token, lr_at, parse_args
+from picotron.train import Trainer, flops_per_token, lr_at, main, parse_args, train
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_seq_len=64)
@@ -263,6 +267,16 @@ def _args(*argv):
     return lambda: parse_args(list(argv))
 
 
+def _from_file(text: str):
+    """Config.from_json of a file bad.json holding `text`, written when the case runs."""
+    def make():
+        with tempfile.TemporaryDirectory() as folder:
+            path = pathlib.Path(folder) / "bad.json"
+            path.write_text(text)
+            return Config.from_json(path)
+    return make
+
+
 MOE = ["--preset", "tiny-moe"]
 # (what is wrong, how the config is built, the exception, the message it must contain). Each builds the config
 # and runs validate() (what Trainer and `python -m picotron.train` run first).
@@ -274,7 +288,8 @@ BAD_CONFIGS = [
     ("typo-field", lambda: Config.from_dict({"train": {"stpes": 3}}), ValueError, "unknown TrainConfig fields ['stpes']"),
     ("unknown-section", lambda: Config.from_dict({"optim": {}}), ValueError, "unknown config sections ['optim']"),
     ("unknown-preset", lambda: Config.from_dict({"model": {"preset": "gpt5"}}), ValueError, "unknown model preset 'gpt5'"),
-    ("bucket", _args("--dp", "1", "--bucket-mb", "-1"), ValueError, "bucket_mb=-1.0 must be >= 0"),
+    ("bucket", _args("--dp", "1", "--bucket-mb", "-1"), ValueError,
+     "train.bucket_mb=-1.0 must be at least 0 (0: one all-reduce bucket per parameter)"),
     ("zero-stage", lambda: Config.from_dict({"parallel": {"zero_stage": 4}}), ValueError,
      "zero_stage=4; choose 0 (plain data parallelism), 1"),
     ("sp-without-tp", _args("--dp", "1", "--sp"), ValueError, "sequence_parallel=True needs tp > 1"),
@@ -314,6 +329,40 @@ BAD_CONFIGS = [
     ("negative-axis", _args("--dp", "0"), ValueError, "dp=0 must be at least 1"),
     ("model-choice", lambda: Config(model=ModelConfig(attention="flash")), ValueError,
      "attention='flash'; choose one of ('sdpa', 'eager')"),
+    # Values out of range: each field's bound (picotron.config.AT_LEAST), before anything divides by it.
+    ("seq-len-zero", _args("--dp", "1", "--seq-len", "0"), ValueError, "train.seq_len=0 must be at least 1"),
+    ("seq-len-negative", _args("--dp", "1", "--seq-len", "-8"), ValueError, "train.seq_len=-8 must be at least 1"),
+    ("micro-batch-zero", _args("--micro-batch-size", "0"), ValueError, "train.micro_batch_size=0 must be at least 1"),
+    ("grad-accum-zero", _args("--grad-accum-steps", "0"), ValueError, "train.grad_accum_steps=0 must be at least 1"),
+    ("steps-negative", _args("--steps", "-1"), ValueError, "train.steps=-1 must be at least 0 (0: train nothing)"),
+    ("log-every-zero", _args("--log-every", "0"), ValueError, "train.log_every=0 must be at least 1"),
+    ("ep-zero", _args("--ep", "0"), ValueError, "parallel.ep=0 must be at least 1 (1: no expert parallelism)"),
+    ("vocab-zero", lambda: Config.from_dict({"model": {"vocab_size": 0}}), ValueError,
+     "model.vocab_size=0 must be at least 1"),
+    ("heads-zero", lambda: Config.from_dict({"model": {"num_attention_heads": 0}}), ValueError,
+     "model.num_attention_heads=0 must be at least 1"),      # checked before hidden_size // heads
+    # Values of the wrong type: each field's annotation (an int is not a bool, a float may be an int).
+    ("json-str-for-int", lambda: Config.from_dict({"parallel": {"dp": "2"}}), ValueError,
+     "parallel.dp='2' has type str; expected int (write 2, without quotes)"),
+    ("json-bool-for-int", lambda: Config.from_dict({"train": {"steps": True}}), ValueError,
+     "train.steps=True has type bool; expected int"),
+    ("json-optional", lambda: Config.from_dict({"model": {"head_dim": "32"}}), ValueError,
+     "model.head_dim='32' has type str; expected int | None (write 32, without quotes)"),
+    ("json-betas", lambda: Config.from_dict({"train": {"betas": [0.9]}}), ValueError,
+     "train.betas=[0.9] has type list; expected tuple[float, float]"),
+    ("python-type", lambda: Config(parallel=ParallelConfig(tp="2")), ValueError,
+     "parallel.tp='2' has type str; expected int"),
+    # Config files: every message names the file.
+    ("json-file-type", _from_file('{"parallel": {"dp": "2"}}'), ValueError,
+     "bad.json: parallel.dp='2' has type str; expected int"),
+    ("json-malformed", _from_file('{"parallel": {"dp": 2,}}'), ValueError,
+     "bad.json is not valid JSON: Expecting property name enclosed in double quotes at line 1, column 23"),
+    ("json-not-object", _from_file('[{"parallel": {"dp": 2}}]'), ValueError,
+     "bad.json: the config is a JSON array, but it must be an object with the sections 'model', 'parallel'"),
+    ("json-section-not-object", _from_file('{"train": 3}'), ValueError,
+     "bad.json: section 'train' is a JSON number, but it must be an object of fields"),
+    ("config-missing", _args("--config", "/nonexistent/picotron.json"), ValueError,
+     "cannot read the config file /nonexistent/picotron.json"),
 ]
 
 
@@ -335,6 +384,85 @@ def test_bad_config_kinds_and_where_they_are_caught():
         with pytest.raises(SystemExit):                          # argparse: "invalid choice"
             parse_args(argv)
     validate(parse_args(["--dp", "1", "--cp", "4", "--cp-mode", "ring", "--seq-len", "36"]))   # 4 slices of 9
+
+
+def _unwritable(tmp_path: pathlib.Path, kind: str) -> str:
+    """A path that cannot be written: one under a plain file, or in a read-only directory."""
+    if kind == "under-a-file":
+        (tmp_path / "file.txt").write_text("")
+        return str(tmp_path / "file.txt" / "out")
+    (tmp_path / "read-only").mkdir(mode=0o555)
+    return str(tmp_path / "read-only" / "out")
+
+
+def _writes_into_read_only_dirs() -> bool:
+    """Whether this process ignores directory permissions (root, with CAP_DAC_OVERRIDE)."""
+    with tempfile.TemporaryDirectory() as folder:
+        os.chmod(folder, 0o555)
+        try:
+            open(os.path.join(folder, "probe"), "w").close()
+            return True
+        except OSError:
+            return False
+        finally:
+            os.chmod(folder, 0o755)
+
+
+@pytest.mark.parametrize("flag", ["--save-dir", "--log-file"])
+@pytest.mark.parametrize("kind", ["under-a-file", pytest.param("read-only-dir", marks=pytest.mark.skipif(
+    _writes_into_read_only_dirs(), reason="this process (root) writes into read-only directories"))])
+def test_unwritable_outputs_fail_before_step_0(tmp_path, capsys, flag, kind):
+    """--save-dir and --log-file are tried before any rank starts: a clean error, nothing trained."""
+    path = _unwritable(tmp_path, kind)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--dp", "1", flag, path])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""      # no model was built, no step trained
+    assert err.startswith(f"python -m picotron.train: error: {flag[2:].replace('-', '_')}={path!r} ({flag}) cannot "
+                          f"be written: ") and err.count("\n") == 1
+    # train() itself (as a notebook calls it) checks them before building the trainer, on every rank.
+    field = {"--save-dir": "save_dir", "--log-file": "log_file"}[flag]
+    with pytest.raises(ValueError, match=re.escape(f"{field}={path!r} ({flag}) cannot be written")):
+        train(Config(train=TrainConfig(**{field: path})))
+
+
+def test_bad_input_is_one_line_without_a_traceback(tmp_path):
+    """Every bad input the table above covers stops `python -m picotron.train` the same way: status 2, one line."""
+    (tmp_path / "bad.json").write_text('{"parallel": {"dp": 2,}}')
+    for argv, message in [(["--seq-len", "0"], "train.seq_len=0 must be at least 1"),
+                          (["--config", str(tmp_path / "bad.json")], f"{tmp_path / 'bad.json'} is not valid JSON"),
+                          (["--dp", "2", "--pp", "2", "--zero", "3"], "zero_stage=3 with pp>1")]:
+        result = subprocess.run([sys.executable, "-m", "picotron.train", *argv], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2 and result.stdout == "", result.stderr
+        assert result.stderr.startswith(f"python -m picotron.train: error: ") and message in result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_zero_steps_save_the_initial_state(tmp_path, capsys):
+    """--steps 0 trains nothing; with --save-dir the initial state is saved as step_000000 (and said so)."""
+    main(["--dp", "1", "--steps", "0", "--save-dir", str(tmp_path / "init"), "--log-file", str(tmp_path / "log")])
+    out = capsys.readouterr().out
+    saved = tmp_path / "init" / "step_000000"
+    assert f"steps=0: nothing to train; saving the initial state to {saved}\n" in out
+    assert [p.name for p in (tmp_path / "init").iterdir()] == ["step_000000"]
+    assert checkpoint.read_info(saved)["step"] == 0 and (tmp_path / "log").read_text() == ""
+    torch.manual_seed(0)                              # what Trainer builds from the default seed
+    initial, loaded = Llama(ModelConfig()), Llama(ModelConfig())
+    for weight in loaded.parameters():
+        torch.nn.init.zeros_(weight)
+    checkpoint.load_model_weights(loaded, saved)
+    for (name, weight), again in zip(initial.named_parameters(), loaded.parameters()):
+        assert torch.equal(weight, again), name
+    # Resumed at or past --steps: nothing to train, and no copy of the checkpoint resumed from.
+    main(["--dp", "1", "--steps", "0", "--resume", str(saved), "--save-dir", str(tmp_path / "again")])
+    assert (f"steps=0: nothing to train from step 0; no checkpoint written to {tmp_path / 'again'} ({saved} holds "
+            f"this state)") in capsys.readouterr().out
+    assert not any((tmp_path / "again").iterdir())
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())      # argparse wraps the lines
+    assert "0 trains nothing (the initial model is evaluated, and with --save-dir saved as" in help_text
 
 
 def test_main_job_runs_two_ranks_from_the_command_line():
