@@ -46,6 +46,7 @@ import pickle
 import random
 import re
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -193,8 +194,9 @@ class _Launch:
     def go(self) -> list:
         sys.stdout.flush()
         sys.stderr.flush()
-        # The caller hosts the rendezvous store on a port the OS picks: no fixed port, no race.
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.timeout), wait_for_workers=False)
+        # The ranks meet through a file store in a fresh directory: no port to choose, and no TCP
+        # connect to the store (on some machines one in a few dozen stalls for seconds).
+        store_dir = tempfile.mkdtemp(prefix="picotron-run-")
         self.server = _server()
         child_fds = []
         try:
@@ -203,7 +205,8 @@ class _Launch:
                 result_read, result_write = os.pipe()
                 self.ranks.append(_Rank(rank, out_read, result_read, open_fds={out_read, result_read}))
                 child_fds += [out_write, result_write]
-            request = {"world_size": self.world_size, "backend": self.backend, "port": store.port,
+            request = {"world_size": self.world_size, "backend": self.backend,
+                       "store": os.path.join(store_dir, "store"),
                        "seed": self.seed, "timeout": self.timeout, "task": self.task,
                        "cwd": os.getcwd(), "sys_path": list(sys.path), "env": dict(os.environ),
                        "sources": _cell_sources()}
@@ -221,7 +224,7 @@ class _Launch:
             for r in self.ranks:
                 for fd in r.open_fds:
                     os.close(fd)
-            del store
+            shutil.rmtree(store_dir, ignore_errors=True)
         return self._collect()
 
     # ---- the parent ------------------------------------------------------------------
@@ -625,7 +628,8 @@ def _rank_body(rank: int, request: dict) -> tuple:
     fn, args, kwargs = pickle.loads(request["task"])
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", request["port"], world_size, False, timeout)
+    store = dist.FileStore(request["store"], world_size)
+    store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     seed_everything(request["seed"])
     result = _to_cpu(fn(*args, **kwargs))  # the caller gets CPU tensors, whatever its device
