@@ -208,7 +208,7 @@ WRONG_ANSWERS = [
     (check_softmax_kernel, softmax_unmasked_store, "outside the rows"),
     (check_softmax_kernel, softmax_of_first_row, "softmax_kernel"),
     (check_rmsnorm_kernel, rmsnorm_mean_over_block, "100 columns"),
-    (check_rmsnorm_kernel, rmsnorm_no_eps, "tiny values"),
+    (check_rmsnorm_kernel, rmsnorm_no_eps, "64 columns"),   # eps = 1e-5 moves y by ~5e-6: above fp32 round-off
     (check_rmsnorm_kernel, rmsnorm_no_weight, "rmsnorm_kernel"),
     (check_rmsnorm_kernel, rmsnorm_forgets_rstd, "rstd"),
     (check_rmsnorm_kernel, rmsnorm_std_not_rstd, "rmsnorm_kernel"),

@@ -24,6 +24,7 @@ from picotron.launch import run
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import (DataParallel, all_reduce_each_gradient, all_reduce_gradients,
                                              assign_buckets, broadcast_parameters)
+from picotron.tolerance import TRAINING_GRAD_TOL, compare_all
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_seq_len=32)
@@ -52,9 +53,10 @@ def ours_and_ddp():
 def test_gradients_equal_ddp():
     results = run(ours_and_ddp, 3, timeout=60)
     for ours, ddp, embed in results:
-        assert ours.keys() == ddp.keys()
-        for name in ours:
-            torch.testing.assert_close(ours[name], ddp[name], rtol=1e-5, atol=1e-6)
+        # The same local gradients, summed over 3 ranks in another order and divided by 3 before or after:
+        # 3 + 2 roundings apart (picotron.tolerance).
+        grads = compare_all(ours, ddp, n=3 + 2)
+        assert grads, str(grads)
         torch.testing.assert_close(embed, results[0][2], rtol=0, atol=0)  # replicas identical
 
 
@@ -142,9 +144,9 @@ def all_variants(references: dict) -> dict:
             pairs = list(zip(grads[name], reference))
             out[name]["grad_error"] = [(g - r).abs().max().item() for g, r in pairs]
             out[name]["grads_close"] = [torch.allclose(g, r, rtol=1e-5, atol=1e-5) for g, r in pairs]
-    if dist.get_rank() == 0:  # ours against torch DDP, step by step
-        out["vs DDP"] = {(ours, ddp): max((a - b).abs().max().item() for a, b in zip(grads[ours], grads[ddp]))
-                         for ours, ddp in DDP_PAIRS}
+    if dist.get_rank() == 0:  # ours against torch DDP, step by step: whether every step's gradients are close
+        out["vs DDP"] = {(ours, ddp): all(torch.allclose(a, b, rtol=TRAINING_GRAD_TOL, atol=TRAINING_GRAD_TOL)
+                                          for a, b in zip(grads[ours], grads[ddp])) for ours, ddp in DDP_PAIRS}
     return out
 
 
@@ -188,7 +190,7 @@ def test_variant_equals_one_process(name, four_ranks, one_process):
 
 @pytest.mark.parametrize("ours, ddp", DDP_PAIRS)
 def test_equals_torch_ddp_step_by_step(ours, ddp, four_ranks):
-    assert four_ranks[0]["vs DDP"][(ours, ddp)] < 1e-6
+    assert four_ranks[0]["vs DDP"][(ours, ddp)]   # the course's claim for gradients while training, every step
     torch.testing.assert_close(four_ranks[0][ours]["weights"], four_ranks[0][ddp]["weights"], rtol=1e-5, atol=1e-5)
 
 

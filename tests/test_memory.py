@@ -11,6 +11,7 @@ from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, va
 from picotron.memory import (MemoryTracker, activation_bytes, activation_bytes_per_layer, estimate_memory,
                              measure_memory, num_param_tensors, saved_tensors, training_flops_per_token)
 from picotron.model import DecoderLayer, Llama, loss_fn
+from picotron.tolerance import LOSS_ATOL, compare_all, llama_roundings
 from picotron.train import flops_per_token
 
 TINY = ModelConfig()   # 4 layers, h=128, GQA 4/2 heads, vocab 256: about 1M parameters
@@ -106,17 +107,18 @@ def test_recomputation_gives_identical_gradients(attention):
     for recompute in ("selective", "full"):
         loss, grads = grads_of(dataclasses.replace(TINY, attention=attention, recompute=recompute), ids)
         assert_close(loss, ref_loss, rtol=0, atol=0)
-        for name in ref:
-            assert_close(grads[name], ref[name], rtol=0, atol=1e-6, msg=f"{recompute} {name}")
+        # The same ops again inside backward; gradients may add up in another order (picotron.tolerance).
+        within = compare_all(grads, ref, n=llama_roundings(TINY, 48, 2 * 48))
+        assert within, f"{recompute}: {within}"
 
 
 def test_eager_attention_equals_sdpa():
     ids = torch.randint(0, TINY.vocab_size, (2, 33))
     sdpa_loss, sdpa = grads_of(TINY, ids)
     eager_loss, eager = grads_of(dataclasses.replace(TINY, attention="eager"), ids)
-    assert_close(eager_loss, sdpa_loss, rtol=1e-6, atol=1e-6)
-    for name in sdpa:
-        assert_close(eager[name], sdpa[name], rtol=1e-5, atol=1e-6)
+    assert abs(eager_loss - sdpa_loss) < LOSS_ATOL                      # the course's claim for fp32 losses
+    within = compare_all(eager, sdpa, n=llama_roundings(TINY, 32, 2 * 32))   # float32 round-off (picotron.tolerance)
+    assert within, str(within)
 
 
 def test_recomputation_lowers_measured_activations():
@@ -146,8 +148,9 @@ def test_gradient_accumulation_equals_one_big_batch():
     model = Llama(TINY)
     for chunk in ids.chunk(4):
         (loss_fn(model(chunk[:, :-1]), chunk[:, 1:]) / 4).backward()   # mean of means = mean over all
-    for name, p in model.named_parameters():
-        assert_close(p.grad, big[name], rtol=1e-5, atol=1e-7, msg=name)
+    # The same sums over 8 x 32 tokens, in 4 parts: float32 round-off (picotron.tolerance).
+    within = compare_all({n: p.grad for n, p in model.named_parameters()}, big, n=llama_roundings(TINY, 32, 8 * 32) + 4)
+    assert within, str(within)
 
 
 def test_gradient_accumulation_memory_is_flat_in_micro_batches():

@@ -16,7 +16,7 @@ Adding the check of a chapter (one function per exercise, in a section of this f
             for world in (2, 4):
                 got = on_ranks(_zero1_on_rank, world, zero1_step)  # the learner's code, N ranks
                 want = ...                                         # one process, plain torch
-                report.add(ok=close_enough(got, want), world=world,
+                report.add(ok=close_enough(got, want, n=world), world=world,   # a sum of `world` terms
                            max_abs_err=max_abs_error(got, want))
 
     def _zero1_on_rank(zero1_step):                             # module level: runs in each rank
@@ -24,10 +24,11 @@ Adding the check of a chapter (one function per exercise, in a section of this f
             ...
         return result, sent.bytes
 
-Tools: `rank_tensor` (per-rank data the parent can recompute), `close_enough` /
-`max_abs_error` / `mismatch` (tolerance per dtype; where two tensors differ most, for the
-`detail` of a failed row), `only_point_to_point` (collectives raise inside the block; bytes
-sent point-to-point are counted), `on_ranks` (run with the course timeout).
+Tools: `rank_tensor` (per-rank data the parent can recompute), `close_enough` (equal up to the
+float round-off of n additions, from picotron.tolerance) / `close_in_training` (the course's
+claim for gradients step after step) / `max_abs_error` / `mismatch` (where two tensors differ
+most, for the `detail` of a failed row), `only_point_to_point` (collectives raise inside the
+block; bytes sent point-to-point are counted), `on_ranks` (run with the course timeout).
 """
 
 from __future__ import annotations
@@ -42,18 +43,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from picotron import tolerance
 from picotron.course import settings
 from picotron.launch import device, run
 
-__all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "max_abs_error", "mismatch", "on_ranks",
-           "one_thread", "patched", "collective_patches", "collectives_observed", "payload_of", "tensors_in",
-           "only_point_to_point", "check_chunk_to_send", "check_reduce_scatter_phase",
+__all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "close_in_training", "max_abs_error",
+           "mismatch", "on_ranks", "one_thread", "patched", "collective_patches", "collectives_observed", "payload_of",
+           "tensors_in", "only_point_to_point", "check_chunk_to_send", "check_reduce_scatter_phase",
            "check_all_gather_phase", "check_ring_all_reduce"]
-
-# (atol, rtol) per dtype: the ring adds in another order than the parent, so float32 results
-# differ from the plain sum by a few ulps; 1e-5 leaves room for that and for nothing else.
-TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
-
 
 # ---- reporting ----------------------------------------------------------------------------
 class Report:
@@ -151,10 +148,21 @@ def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.double() - expected.double()).abs().max().item()
 
 
-def close_enough(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
-    """Equal within the tolerance of `dtype` (default: `actual`'s), shapes equal, no NaN."""
-    atol, rtol = TOLERANCE.get(dtype or actual.dtype, (1e-5, 1e-5))
-    return actual.shape == expected.shape and torch.allclose(actual.double(), expected.double(), rtol=rtol, atol=atol)
+def close_enough(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, *, n: int,
+                 scale: float | None = None) -> bool:
+    """Equal up to float round-off, shapes equal, no NaN: the learner's code adds in another order than the
+    parent, so the results may differ by the rounding of the n additions behind each number, no more
+    (picotron.tolerance: 8 sqrt(n) u x scale, by default the largest expected value; u of `dtype`, default
+    the less precise of the two tensors')."""
+    return tolerance.close_enough(actual, expected, n=n, dtype=dtype, scale=scale)
+
+
+def close_in_training(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """A gradient at some step of a training run against one process's: within rtol = atol =
+    tolerance.TRAINING_GRAD_TOL (1e-5), the course's claim. Not a rounding bound: after the first step
+    the two runs' weights already differ by Adam's amplified round-off."""
+    tol = tolerance.TRAINING_GRAD_TOL
+    return actual.shape == expected.shape and torch.allclose(actual.double(), expected.double(), rtol=tol, atol=tol)
 
 
 @contextmanager
@@ -381,7 +389,7 @@ def _check_phase(phase: Callable, title: str, gather: bool) -> None:
                     # reduce-scatter: only the owned chunk is defined; all-gather: every chunk
                     looked_at = slice(None) if gather else _owned(rank, world, k)
                     errors.append(max_abs_error(flat[looked_at], total[looked_at]))
-                    if not detail and not close_enough(flat[looked_at], total[looked_at], dtype):
+                    if not detail and not close_enough(flat[looked_at], total[looked_at], dtype, n=world):
                         what = "all chunks" if gather else f"chunk {(rank + 1) % world}"
                         detail = (f"rank {rank}, {what}: {mismatch(flat[looked_at], total[looked_at])}"
                                   + _replaced_note(replaced))
@@ -415,9 +423,9 @@ def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
                 for rank, (tensor, nbytes, returned) in enumerate(per_rank):
                     errors.append(max_abs_error(tensor, expected))
                     sent.append(nbytes)
-                    if not detail and not close_enough(tensor, expected, dtype):
+                    if not detail and not close_enough(tensor, expected, dtype, n=world):
                         detail = f"rank {rank}: {mismatch(tensor, expected)}"
-                        if returned is not None and close_enough(returned, expected, dtype):
+                        if returned is not None and close_enough(returned, expected, dtype, n=world):
                             detail += "; the returned tensor is right, but the input must be summed in place"
                 traffic_ok = 0 < max(sent) <= bound
                 if not detail and not traffic_ok:

@@ -70,6 +70,9 @@ LAYOUT_CASES = ((2, 8), (3, 12), (4, 16), (4, 32), (8, 32))   # (cp, seq_len)
 HOP_TIMEOUT = 10.0
 SECOND_ERROR_DELAY = 5.0       # a rank whose neighbour died waits this long before reporting it
 FP32 = torch.float32
+# Roundings behind one number of the attention checked here (picotron.tolerance): q.k over HEAD_DIM, the softmax
+# and P V over the longest sequence, and merging the blocks of up to 4 ranks.
+ROUNDINGS = HEAD_DIM + 2 * max(SEQ.values()) + max(CP_SIZES)
 PACKAGE = "picotron.parallel.context_parallel"
 BLOCKS = "picotron.parallel.online_softmax"     # its one-device building blocks: the course's answer too
 INF = math.inf
@@ -167,7 +170,7 @@ def _value_hint(got: torch.Tensor, q, k, v, seq: int, cp: int, zigzag: bool, ran
     rows = _positions(seq, rank, cp, zigzag)
     for allowed, meaning in _wrong_masks(seq, cp, zigzag, rank):
         want, _ = _attention(q[:, :, rows], k, v, allowed[rows])
-        if got.shape == want.shape and close_enough(got, want, FP32):
+        if got.shape == want.shape and close_enough(got, want, FP32, n=ROUNDINGS):
             return f": {meaning}"
     return ""
 
@@ -452,14 +455,19 @@ def _merge_problem(name: str, inputs: list, got_out, got_lse, want_out, want_lse
         return (f"{where}: exp overflowed or underflowed (in fp32 exp is inf above 88.7 and 0 below -103). "
                 "Never exponentiate an lse itself: new_lse = torch.logaddexp(lse, block_lse) (or subtract the max "
                 "first), then weigh with exp(lse - new_lse) and exp(block_lse - new_lse), both <= 1")
-    if not close_enough(got_lse, want_lse, FP32):
+    if not close_enough(got_lse, want_lse, FP32, n=ROUNDINGS):
         hints = [(lse, "returned the old lse unchanged"), (block_lse, "returned block_lse"),
                  (torch.maximum(lse, block_lse), "returned the larger of the two lse"),
                  (lse + block_lse, "added the two lse")]
-        said = next((text for alt, text in hints if close_enough(got_lse, alt, FP32)), "the new lse is wrong")
+        said = next((text for alt, text in hints if close_enough(got_lse, alt, FP32, n=ROUNDINGS)),
+                    "the new lse is wrong")
         return (f"{said}: the new lse is log(exp(lse) + exp(block_lse)), torch.logaddexp(lse, block_lse). "
                 f"{mismatch(got_lse, want_lse.float())}")
-    if not close_enough(got_out, want_out, FP32):
+    # exp(lse - new_lse) turns the fp32 rounding of an lse of size L (u L) into a relative error u L of the weights:
+    # the outputs are measured against that larger scale, max |out| x L (picotron.tolerance's `scale`).
+    size = max([1.0] + [t[t.isfinite()].abs().max().item() for t in (lse, block_lse) if t.isfinite().any()])
+    out_scale = want_out.abs().max().item() * size
+    if not close_enough(got_out, want_out, FP32, n=ROUNDINGS, scale=out_scale):
         new_lse = torch.logaddexp(lse, block_lse)
         share = torch.exp(block_lse - new_lse).nan_to_num(0.0)[..., None]
         hints = [((out + block_out) / 2, "averaged the two outputs"),
@@ -468,7 +476,8 @@ def _merge_problem(name: str, inputs: list, got_out, got_lse, want_out, want_lse
                  (out * (1 - share) + block_out, "weighed only the running out: block_out must be scaled by its "
                                                  "share exp(block_lse - new_lse) too"),
                  (out * share + block_out * (1 - share), "swapped the weights")]
-        said = next((text for alt, text in hints if close_enough(got_out, alt, FP32)), "out is wrong")
+        said = next((text for alt, text in hints if close_enough(got_out, alt, FP32, n=ROUNDINGS, scale=out_scale)),
+                    "out is wrong")
         return (f"{said}: each part weighs by its share of the total, out * exp(lse - new_lse) + block_out * "
                 f"exp(block_lse - new_lse). {mismatch(got_out, want_out.float())}")
     return ""
@@ -516,10 +525,10 @@ def check_attend_block(attend_block: Callable) -> None:
                 expected_out, expected_lse = want_out[:, :, rows], want_lse[:, :, rows]
                 errors.append(max(_error(out, expected_out), _error(lse, expected_lse)))
                 where = f"rank {rank} of cp={cp} (chunks {_chunks(rank, cp, zigzag)})"
-                if not detail and not close_enough(out, expected_out, FP32):
+                if not detail and not close_enough(out, expected_out, FP32, n=ROUNDINGS):
                     hint = _value_hint(out, q, k, v, seq, cp, zigzag, rank)
                     detail = f"{where}: the output is wrong{hint}. {mismatch(out, expected_out.float())}"
-                if not detail and not close_enough(lse, expected_lse, FP32):
+                if not detail and not close_enough(lse, expected_lse, FP32, n=ROUNDINGS):
                     detail = (f"{where}: the output is right but lse is wrong; return the merged lse with the "
                               f"output. {mismatch(lse, expected_lse.float())}")
             if not detail and pairs != want_pairs:
@@ -587,7 +596,7 @@ def _ring_row(report: Report, per_rank: list, cp: int, seed: int, zigzag: bool, 
         if got is None:
             detail = (f"{where}: ring_attention returned {result['returned']}; return this rank's output, one tensor "
                       "(batch, heads, s/cp, d)")
-        elif not close_enough(got, expected, FP32):
+        elif not close_enough(got, expected, FP32, n=ROUNDINGS):
             hint = _value_hint(got, q, k, v, seq, cp, zigzag, me) or _peer_note(result, rank, me, members)
             detail = f"{where}: the output is wrong{hint}{_group_note(cp, rank)}. {mismatch(got, expected.float())}"
     sent = [r["sent"] for r in per_rank]

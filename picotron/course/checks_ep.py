@@ -52,6 +52,10 @@ FP32 = torch.float32
 NUM_EXPERTS = 8            # E: 2 per rank with ep = 4, 4 per rank with ep = 2
 HIDDEN = 6                 # h: the width of a token
 FFN = 8                    # each expert: h -> FFN -> h
+# Roundings behind one number checked here (picotron.tolerance): an expert's sums over h and FFN and a token's
+# over its top-k slots (k <= 3), forward and backward, and a weight gradient's sum over up to 4 ranks' 8 tokens
+# x 3 slots.
+ROUNDINGS = 2 * (HIDDEN + FFN + 3) + WORLD * 8 * 3
 COURSE = ("picotron.parallel.expert_parallel", "picotron.model")
 
 # (name, tokens per rank, top_k, routing). "skewed": expert 0 favoured, experts 6 and 7 never chosen;
@@ -301,7 +305,7 @@ def _value_problem(per_rank: list, key: str, wants: list, what: str, hint: Calla
         got = result[key]
         if got is None:
             return f"rank {rank}: {what} is None" + (hint(None, want, rank) if hint else "")
-        if not close_enough(got, want.to(got.dtype), FP32):
+        if not close_enough(got, want.to(got.dtype), FP32, n=ROUNDINGS):
             extra = hint(got, want, rank) if hint else ""
             return f"rank {rank}: {what} is wrong{extra}. {mismatch(got, want.to(got.dtype))}"
     return ""
@@ -490,7 +494,7 @@ def _permute_problem(got, x: torch.Tensor, ids: torch.Tensor, want_counts: torch
     upstream = rank_tensor(70, rows.shape, FP32, 0)
     (rows * upstream).sum().backward()
     want_grad = torch.zeros_like(x).index_add(0, torch.div(order, top_k, rounding_mode="floor"), upstream)
-    if x.grad is None or not close_enough(x.grad, want_grad, FP32):
+    if x.grad is None or not close_enough(x.grad, want_grad, FP32, n=ROUNDINGS):
         return "the gradient of the tokens is wrong: each slot's gradient must add into its token's", shown
     return "", shown
 
@@ -965,7 +969,7 @@ def _y_hint(want: dict) -> Callable:
                     ("gates_unpermuted", "the rows are un-permuted but the gates are not: row i's gate is "
                                          "gates.flatten()[order[i]]")]
         for key, text in mistakes:
-            if close_enough(got, want[key][rank].to(got.dtype), FP32):
+            if close_enough(got, want[key][rank].to(got.dtype), FP32, n=ROUNDINGS):
                 return f": {text}"
         return ""
     return hint
@@ -1159,7 +1163,7 @@ def _expert_grad_problem(per_rank: list, want: dict) -> str:
             continue
         for j, ((got_in, got_out), (want_in, want_out)) in enumerate(zip(result["w_grads"], want["w"][rank])):
             for name, got, expected in (("w_in", got_in, want_in), ("w_out", got_out, want_out)):
-                if got is None or not close_enough(got, expected.float(), FP32):
+                if got is None or not close_enough(got, expected.float(), FP32, n=ROUNDINGS):
                     shown = "None" if got is None else mismatch(got, expected.float())
                     return (f"rank {rank}: local expert {j}'s {name}.grad is wrong: an expert's gradient sums over "
                             "the rows of every rank it received, and their gradients come back through combine's "

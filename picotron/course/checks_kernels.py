@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from picotron import tolerance
 from picotron.course.checks import Report, max_abs_error, mismatch
 from picotron.kernels import INTERPRETED, kernel_device   # decides interpreter vs compiler, before any kernel
 
@@ -37,8 +38,6 @@ SENTINEL = -4096.0   # exact in bf16 too; fills the output buffer around the row
 # a wrong stride would write into whatever lies after the tensor and can crash the process. With this
 # room, it writes into the spare part instead, and the check reports it.
 SLACK = 16384
-# (atol, rtol) against float64 math: fp32 keeps ~7 digits; bf16 ~3 (its output is rounded once)
-TOLERANCE = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-2, 1.6e-2)}
 
 # (name, rows, n_cols, dtype, x_row_stride or None for contiguous, padding of each output row, make)
 SOFTMAX_CASES = [
@@ -167,10 +166,12 @@ def _outside_touched(buffer: torch.Tensor, out: torch.Tensor) -> int:
     return int((buffer[~inside] != SENTINEL).sum())
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
-    atol, rtol = TOLERANCE[dtype]
-    return actual.shape == expected.shape and torch.allclose(actual.double(), expected.double(), atol=atol,
-                                                             rtol=rtol, equal_nan=False)
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, n_cols: int) -> bool:
+    """Equal to the float64 math up to round-off (picotron.tolerance): in fp32, a sum over the row's n_cols values
+    and a few more roundings; in bf16, where the kernel computes in fp32 and rounds its output once, as the
+    expected value was, two bf16 roundings."""
+    n = n_cols + 2 if dtype == torch.float32 else 2
+    return tolerance.close_enough(actual, expected, n=n, dtype=dtype, tf32=False)
 
 
 def _block(n_cols: int) -> int:
@@ -228,11 +229,11 @@ def _run_case(report: Report, name: str, dtype: torch.dtype, expected: torch.Ten
         return
     actual = out.cpu()
     problems = []
-    if not _close(actual, expected.cpu(), dtype):
+    if not _close(actual, expected.cpu(), dtype, out.shape[-1]):
         problems.append("y: " + mismatch(actual.double(), expected.cpu().double()))
     if rstd is not None:
         got, want = rstd[0].cpu(), rstd[1].cpu()
-        if not torch.allclose(got.double(), want, atol=0, rtol=1e-5):
+        if not tolerance.close_enough(got, want, n=out.shape[-1] + 2, dtype=torch.float32, tf32=False):
             problems.append("rstd (store 1/sqrt(mean(x^2) + eps) of row r at rstd_ptr + r): "
                             + mismatch(got.double(), want))
     touched = _outside_touched(buffer, out)

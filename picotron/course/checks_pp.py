@@ -37,8 +37,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from picotron import tolerance
 from picotron.config import ModelConfig
-from picotron.course.checks import Report, close_enough, max_abs_error, mismatch, on_ranks, one_thread
+from picotron.course.checks import Report, close_in_training, max_abs_error, mismatch, on_ranks, one_thread
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_afab_actions", "check_one_f_one_b_actions", "check_one_f_one_b_training", "show_timeline",
@@ -390,7 +391,7 @@ def _training_problem(per_rank: list, reference: dict, pp: int, dp: int, m: int,
     peak = [max(r["peak"] for r in per_rank if r["pp_rank"] == p) for p in range(pp)]
     detail = ""
     for step in range(TRAIN_STEPS):
-        if abs(losses[step] - reference["loss"][step]) > 1e-5:
+        if abs(losses[step] - reference["loss"][step]) > tolerance.LOSS_ATOL:   # fp32 losses: 1e-5
             detail = (f"step {step}: loss {losses[step]:.6f}, one process {reference['loss'][step]:.6f}: the schedule "
                       f"ran, but on the wrong data")
             break
@@ -398,12 +399,12 @@ def _training_problem(per_rank: list, reference: dict, pp: int, dp: int, m: int,
         if detail:
             break
         for step, grads in enumerate(r["grads"]):
-            bad = [name for name, g in grads.items() if not close_enough(g, reference["grads"][step][name])]
+            bad = [name for name, g in grads.items() if not close_in_training(g, reference["grads"][step][name])]
             if bad:
                 detail = (f"rank {rank} (pp rank {r['pp_rank']}), step {step}: the gradient of {bad[0]} differs from "
                           f"one process's: {mismatch(grads[bad[0]], reference['grads'][step][bad[0]])}")
                 break
-    if not detail and errors["weight"] > 1e-4:       # Adam amplifies summation-order differences
+    if not detail and errors["weight"] > tolerance.ADAM_WEIGHTS_ATOL:   # Adam amplifies round-off: 1e-4
         detail = f"the final weights differ from one process's by {errors['weight']:.2e} (> 1e-4)"
     if not detail and peak != want_peak:
         r = next(i for i in range(pp) if peak[i] != want_peak[i])

@@ -53,6 +53,9 @@ MLP_CASES = [((2, 3), 8, 16), ((5,), 6, 12)]            # (leading dims, hidden,
 CE_CASES = [("random", (2, 3), 16, 0.0, 1.0), ("logits near 100", (2, 3), 16, 100.0, 1.0),
             ("upstream 0.25", (4, 5), 24, 0.0, 0.25)]
 CE_SPREAD = 3.0           # logits = offset + 3 x N(0, 1): a softmax that is neither flat nor one-hot
+# Roundings behind one number checked here (picotron.tolerance): the MLP's sums over up to 16 features each way,
+# forward and backward, a softmax over 24 logits and a gradient summed over 20 tokens.
+ROUNDINGS = 2 * (16 + 16) + 24 + 20
 
 
 # ---- recording the collectives a rank makes ---------------------------------------------------
@@ -189,7 +192,7 @@ def _value_problem(per_rank: list, key: str, wants: list, what: str, hint: Calla
         got = result.get(key)
         if got is None:
             return f"rank {rank}: {what} is None"
-        if not close_enough(got, want.to(got.dtype), FP32):
+        if not close_enough(got, want.to(got.dtype), FP32, n=ROUNDINGS):
             extra = hint(got, want, rank) if hint else ""
             return f"rank {rank}: {what} is wrong{extra}: {mismatch(got, want.to(got.dtype))}"
     return ""
@@ -269,11 +272,12 @@ def check_reduce_from_tp(ReduceFromTP: type) -> None:
             nbytes = total.numel() * 4
 
             def mean_hint(got, want, rank, tp=tp):
-                return ": it is the mean, the sum divided by tp; use SUM" if close_enough(got, want / tp, FP32) else ""
+                mean = close_enough(got, want / tp, FP32, n=ROUNDINGS)
+                return ": it is the mean, the sum divided by tp; use SUM" if mean else ""
 
             def grad_hint(got, want, rank, tp=tp):
                 return (f": it is {tp} x the gradient of y, summed over the ranks; g's backward is the identity"
-                        if close_enough(got, want * tp, FP32) else "")
+                        if close_enough(got, want * tp, FP32, n=ROUNDINGS) else "")
 
             detail = (_comm_problem(per_rank, "forward", tp, nbytes, "the forward",
                                     "g's forward must all-reduce (sum) x: the layer's output is the sum of every "
@@ -365,7 +369,7 @@ def _weight_problem(per_rank: list, wants: list, tp: int, kind: str, key: str = 
             swapped = (" That is the other layer's shard." if shape == other else "")
             return (f"rank {rank}: {name} has shape {shape}, expected {tuple(want.shape)}: rank i keeps {keeps}."
                     f"{swapped}{_group_rank_note(tp, rank)}")
-        if not close_enough(info["weight"], want.float(), FP32):
+        if not close_enough(info["weight"], want.float(), FP32, n=ROUNDINGS):
             return (f"rank {rank}: {name} holds the wrong slice: rank i keeps {keeps}"
                     f"{_group_rank_note(tp, rank)}. {mismatch(info['weight'], want.float())}")
         if info["param_numel"] != want.numel():
@@ -444,7 +448,7 @@ def check_row_parallel(RowParallelLinear: type) -> None:
             def partial_hint(got, want, rank, tp=tp):
                 partial = F.linear(_shard_last(x.double(), rank % tp, tp), _shard_last(w.double(), rank % tp, tp))
                 return (": it is this rank's partial sum x_i W_i^T; the output is the sum over the tp ranks"
-                        if close_enough(got, partial, FP32) else "")
+                        if close_enough(got, partial, FP32, n=ROUNDINGS) else "")
 
             detail = (_weight_problem(per_rank, shards, tp, "row")
                       or _comm_problem(per_rank, "forward", tp, nbytes, "the forward",
@@ -627,7 +631,7 @@ def check_vocab_parallel_cross_entropy(vocab_parallel_cross_entropy: Callable) -
             tokens = targets.numel()
             detail = _ce_problem(per_rank, tp, tokens, want, grads, logits, targets, upstream)
             losses = [r["loss"] for r in per_rank if r.get("loss") is not None]
-            wrong = [l for l in losses if not close_enough(l, want.float(), FP32)]
+            wrong = [l for l in losses if not close_enough(l, want.float(), FP32, n=ROUNDINGS)]
             got = (wrong or losses or [torch.tensor(math.nan)])[0].item()   # the first wrong rank's, else rank 0's
             report.add(not detail, detail, case=name, tp=tp, tokens=tokens, V=vocab,
                        **{"loss (want)": f"{want.item():.6f}", "loss (got)": f"{got:.6f}",
@@ -654,18 +658,19 @@ def _ce_problem(per_rank: list, tp: int, tokens: int, want: torch.Tensor, grads:
                     "each token's max logit over the whole vocabulary (all-reduce the local max with ReduceOp.MAX) "
                     "before exp: softmax does not change when every logit moves by the same amount")
     for rank, loss in enumerate(losses):
-        if close_enough(loss, want.float(), FP32):
+        if close_enough(loss, want.float(), FP32, n=ROUNDINGS):
             continue
         group = losses[rank // tp * tp:(rank // tp + 1) * tp]
-        if rank >= tp and all(close_enough(other, want.float(), FP32) for other in losses[:tp]):
+        if rank >= tp and all(close_enough(other, want.float(), FP32, n=ROUNDINGS) for other in losses[:tp]):
             hint = ("the first tp group is right, this one is not" + _group_rank_note(tp, rank)
                     + "; rank i of the group owns vocabulary entries [i V/t, (i+1) V/t)")
-        elif any(not close_enough(other, group[0], FP32) for other in group):
+        elif any(not close_enough(other, group[0], FP32, n=ROUNDINGS) for other in group):
             hint = (f"the ranks of one tp group return different losses ({', '.join(f'{l.item():.6f}' for l in group)})"
                     ": each must all-reduce its parts and compute the same loss from the same sums")
-        elif close_enough(loss, (want * tokens).float(), FP32):
+        elif close_enough(loss, (want * tokens).float(), FP32, n=ROUNDINGS):
             hint = f"it is the sum over the {tokens} tokens; return the mean (divide by batch x seq)"
-        elif any(close_enough(loss, wrong.float(), FP32) for wrong in _every_rank_losses(logits, targets, tp)):
+        elif any(close_enough(loss, wrong.float(), FP32, n=ROUNDINGS)
+                 for wrong in _every_rank_losses(logits, targets, tp)):
             hint = ("it looks like every rank added a target logit: only the rank whose slice "
                     "[i V/t, (i+1) V/t) holds a token's target has its logit; the others must add 0 for that token")
         elif not any(c.reduce == "max" for c in per_rank[rank]["forward"]):
@@ -681,13 +686,13 @@ def _ce_problem(per_rank: list, tp: int, tokens: int, want: torch.Tensor, grads:
         if got is None:
             return (f"rank {rank}: local_logits.grad is None after backward: backward must return the gradient of "
                     "the logits first (None for targets and group)")
-        if close_enough(got, want_grad.float(), FP32):
+        if close_enough(got, want_grad.float(), FP32, n=ROUNDINGS):
             continue
         if not torch.isfinite(got).all():
             hint = "it is not finite: compute it from the max-shifted softmax saved in forward"
-        elif close_enough(got, (want_grad * tokens).float(), FP32):
+        elif close_enough(got, (want_grad * tokens).float(), FP32, n=ROUNDINGS):
             hint = f"it is {tokens} x too large: the loss is a mean over the {tokens} tokens, divide by them"
-        elif upstream != 1.0 and close_enough(got, (want_grad / upstream).float(), FP32):
+        elif upstream != 1.0 and close_enough(got, (want_grad / upstream).float(), FP32, n=ROUNDINGS):
             hint = f"it ignores the incoming gradient ({upstream}): multiply by backward's grad_output"
         else:
             hint = ("dL/dz = (softmax(z) - one_hot(target)) x grad_output / tokens, where softmax uses the global "
