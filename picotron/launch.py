@@ -512,11 +512,14 @@ def _kill_group(pid: int) -> None:
 
 def _serve(fd: int) -> None:
     """The rank server's loop: fork the ranks of each request, report each rank's exit code."""
-    # Imported once here rather than in every rank (none of them initialises CUDA on import).
+    # Imported once here rather than in every rank (none of them initialises CUDA on import):
+    # the model, the techniques and the trainer, and torch._dynamo, which a process's first
+    # optimizer step imports (0.5 s, paid by each of N ranks at once on the same cores otherwise).
     import cloudpickle  # noqa: F401
     try:
-        import picotron.train  # noqa: F401 - the model, the techniques, the trainer: what ranks mostly run
-    except Exception:  # noqa: BLE001 - a rank that needs it will report why it fails to import
+        import picotron.train  # noqa: F401
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - a rank that needs them will report why they fail to import
         pass
     _die_with_parent()
     sock = socket.socket(fileno=fd)

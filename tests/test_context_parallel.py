@@ -47,7 +47,7 @@ TRAIN_CASES = {2: [("ring", 1), ("zigzag", 1), ("ulysses", 1)], 4: [("zigzag", 1
 
 @functools.cache
 def dataset() -> TokenDataset:
-    """Built once, before the ranks fork."""
+    """Built once; run() sends it to the ranks with the function that uses it."""
     return build_dataset(TrainConfig(seq_len=SEQ))
 
 

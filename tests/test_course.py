@@ -105,7 +105,7 @@ def test_unsolved_check_fails_with_not_implemented(path, index):
     """Run the cells before the check (skipping other checks), then only this check cell.
 
     Cells run in this process (much faster than a kernel); the functions they define live in
-    `namespace`, and the ranks that `run` forks inherit it.
+    `namespace`, and `run` sends the ones a rank calls to the ranks (by value, as from a notebook).
     """
     cells = nbformat.read(path, as_version=4).cells
     namespace = {"__name__": "__main__"}

@@ -78,7 +78,7 @@ VARIANTS = {
 
 @functools.cache
 def dataset() -> TokenDataset:
-    """Built once, before the ranks fork (0.4 s each time otherwise)."""
+    """Built once (0.4 s each time otherwise); run() sends it to the ranks with the function that uses it."""
     return build_dataset(TrainConfig(seq_len=SEQ))
 
 
@@ -133,7 +133,7 @@ def train_variant(variant: tuple, counter: CommCounter | None = None) -> dict:
 
 def all_variants(references: dict) -> dict:
     """Every variant on this rank. Rank 0 compares its gradients with the one-process run here, in
-    the rank (`references` came with the fork): sending 20 steps of gradients back through the
+    the rank (`references` travelled to it with the function): sending 20 steps of gradients back through the
     launcher's pipe would cost more than training."""
     out, grads = {}, {}
     for name, variant in VARIANTS.items():

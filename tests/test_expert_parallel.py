@@ -50,7 +50,7 @@ MOE_N = 2 * MOE_FORWARD_N + 4 * LAYER_SHAPE[0] * LAYER_SHAPE[1]
 
 @functools.cache
 def dataset() -> TokenDataset:
-    """Built once, before the ranks fork."""
+    """Built once; run() sends it to the ranks with the function that uses it."""
     return build_dataset(TrainConfig(seq_len=SEQ))
 
 

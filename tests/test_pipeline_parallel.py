@@ -46,7 +46,7 @@ MODEL_N = llama_roundings(CONFIG, SEQ, BATCH * SEQ)
 
 @functools.cache
 def dataset() -> TokenDataset:
-    """Built once, before the ranks fork."""
+    """Built once; run() sends it to the ranks with the function that uses it."""
     return build_dataset(TrainConfig(seq_len=SEQ))
 
 

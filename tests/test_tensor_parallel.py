@@ -38,7 +38,7 @@ CASES = {2: {"TP": (False, True), "TP+SP": (True, True), "TP+SP untied": (True, 
 
 @functools.cache
 def dataset() -> TokenDataset:
-    """Built once, before the ranks fork."""
+    """Built once; run() sends it to the ranks with the function that uses it."""
     return build_dataset(TrainConfig(seq_len=SEQ))
 
 

@@ -40,7 +40,7 @@ def adamw(params):
 
 @functools.cache
 def dataset() -> TokenDataset:
-    """Built once, before the ranks fork."""
+    """Built once; run() sends it to the ranks with the function that uses it."""
     return build_dataset(TrainConfig(seq_len=SEQ))
 
 

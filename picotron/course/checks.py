@@ -263,15 +263,7 @@ def on_ranks(fn: Callable, world_size: int, *args) -> list:
     Always gloo on CPU: the checks compare with single-process math done on the CPU here, and
     their problems are tiny, so the same check behaves alike on a laptop and on a GPU node.
     """
-    _import_optimizer_machinery()
     return run(fn, world_size, args=args, timeout=settings.check_timeout, backend="gloo")
-
-
-@functools.cache
-def _import_optimizer_machinery() -> None:
-    # The first torch.optim optimizer of a process imports torch._dynamo (about 1 s); forked ranks
-    # that each did it at once took 2.4 s per check. Done once here, the ranks inherit it.
-    import torch._dynamo  # noqa: F401
 
 
 # ---- point-to-point only -------------------------------------------------------------------
