@@ -192,6 +192,19 @@ class _Launch:
         self.failed: list[_Rank] = []
 
     def go(self) -> list:
+        """Launch; if gloo fails to connect the ranks to each other (before any rank has called
+        `fn`: they pass a barrier first), launch again, at most twice more, and say so."""
+        for attempt in range(3):
+            try:
+                return self._attempt()
+            except _NotConnected as e:
+                if attempt == 2:
+                    raise e.error from None
+                print(f"picotron.launch: the ranks could not connect ({str(e.error).splitlines()[0][:160]}); "
+                      "starting them again", file=sys.stderr)
+                self.ranks, self.failed = [], []
+
+    def _attempt(self) -> list:
         sys.stdout.flush()
         sys.stderr.flush()
         # The ranks meet through a file store in a fresh directory: no port to choose, and no TCP
@@ -317,8 +330,9 @@ class _Launch:
                            "or raise `timeout`.")
 
     def _stop_all(self) -> None:
-        """Kill every rank still running (with its process group) and learn every exit code."""
-        codes = self.server.exit_codes([r.pid for r in self.ranks if r.pid], kill=True)
+        """Stop every rank (killing it, with its process group, unless all ended well) and learn every exit code."""
+        all_ok = all(r.result for r in self.ranks) and not self.failed
+        codes = self.server.stop([r.pid for r in self.ranks if r.pid], kill=not all_ok)
         for r in self.ranks:
             r.exit_code = codes.get(r.pid)
 
@@ -334,6 +348,8 @@ class _Launch:
         for r in self.failed:
             if r.result:
                 status, value = pickle.loads(r.result)
+                if value.get("phase") == "connecting" and issubclass(value["type"], RuntimeError):
+                    raise _NotConnected(_rebuild(value))
                 raise _rebuild(value)
         results = []
         for r in self.ranks:
@@ -354,6 +370,14 @@ class _Launch:
         if not errors:
             return ""
         return "; then " + ", ".join(f"rank {r.rank}" for r in errors) + " failed waiting for it"
+
+
+class _NotConnected(Exception):
+    """The ranks failed while joining the process group, before any ran the function."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _pickle_task(fn: Callable, args: tuple, kwargs: dict) -> bytes:
@@ -450,18 +474,27 @@ class _Server:
             if message[0] == "failed":
                 raise RuntimeError(f"the rank server could not start the ranks: {message[1]}")
 
-    def exit_codes(self, pids: list[int], kill: bool) -> dict[int, int]:
-        """Wait until every pid has exited (killing those still running if `kill`); their exit codes."""
-        if kill:
-            for pid in pids:
-                if pid and pid not in self.exited:
-                    _kill_group(pid)
-        deadline = time.monotonic() + 30
-        while any(pid and pid not in self.exited for pid in pids):
-            if time.monotonic() > deadline:  # the server is stuck: take it down, its ranks go with it
+    def stop(self, pids: list[int], *, kill: bool) -> dict[int, int]:
+        """Wait until every rank in `pids` has exited and return their exit codes. With `kill`
+        (a rank failed, or time ran out) kill them at once; otherwise give them a few seconds to
+        exit by themselves (they have sent their results) before killing what is left. The server
+        does the killing: it knows which of its children have not been reaped, so a pid that has
+        meanwhile been reused by another process is never hit."""
+        for grace, final in ((0.0 if kill else 5.0, False), (30.0, True)):
+            if grace:
+                deadline = time.monotonic() + grace
+                while any(pid not in self.exited for pid in pids) and time.monotonic() < deadline:
+                    self._next(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            left = [pid for pid in pids if pid not in self.exited]
+            if not left:
+                break
+            if final:  # the server is stuck: take it down, its ranks go with it
                 self.close()
                 break
-            self._next(timeout=1.0)
+            _send(self.sock, ("kill", left))
+            deadline = time.monotonic() + 30
+            while any(pid not in self.exited for pid in pids) and time.monotonic() < deadline:
+                self._next(timeout=1.0)
         return {pid: self.exited.get(pid) for pid in pids}
 
     def _next(self, timeout: float | None = None) -> tuple:
@@ -512,14 +545,14 @@ def _kill_group(pid: int) -> None:
 
 def _serve(fd: int) -> None:
     """The rank server's loop: fork the ranks of each request, report each rank's exit code."""
-    # Imported once here rather than in every rank (none of them initialises CUDA on import):
-    # the model, the techniques and the trainer, and torch._dynamo, which a process's first
-    # optimizer step imports (0.5 s, paid by each of N ranks at once on the same cores otherwise).
+    # Imported once here rather than in every rank (none of them initialises CUDA on import): the
+    # model, the techniques and the trainer. Not torch._dynamo, which a rank's first optimizer step
+    # imports (0.5 s): with it imported here, about one launch in three after a change of world
+    # size failed in gloo's connectFullMesh ("Connection closed by peer"), for reasons not found.
     import cloudpickle  # noqa: F401
     try:
         import picotron.train  # noqa: F401
-        import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - a rank that needs them will report why they fail to import
+    except Exception:  # noqa: BLE001 - a rank that needs it will report why it fails to import
         pass
     _die_with_parent()
     sock = socket.socket(fileno=fd)
@@ -543,6 +576,10 @@ def _serve(fd: int) -> None:
                 for pid in running:
                     _kill_group(pid)
                 os._exit(0)
+            if isinstance(request, tuple) and request[0] == "kill":  # ranks to stop: those not yet reaped
+                for pid in set(request[1]) & running:
+                    _kill_group(pid)
+                continue
             try:
                 pids = []
                 for rank in range(request["world_size"]):
@@ -585,6 +622,7 @@ def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
     """In a freshly forked rank: adopt the caller's environment, run the task, send the result."""
     out_fd, result_fd = fds[2 * rank], fds[2 * rank + 1]
     code = 0
+    progress = {"phase": "starting"}  # then "connecting" (joining the process group), then "running"
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -607,9 +645,9 @@ def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
         sys.path[:] = request["sys_path"]
         linecache.cache.update(request["sources"])
         torch.set_num_threads(1)
-        payload = _rank_body(rank, request)
+        payload = _rank_body(rank, request, progress)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
-        payload = ("error", _describe(e, rank))
+        payload = ("error", {**_describe(e, rank), "phase": progress["phase"]})
         code = 1
     try:
         sys.stdout.flush()
@@ -624,16 +662,19 @@ def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
     os._exit(code)  # skip the server's atexit handlers
 
 
-def _rank_body(rank: int, request: dict) -> tuple:
+def _rank_body(rank: int, request: dict, progress: dict) -> tuple:
     import cloudpickle  # noqa: F401 - loads what cloudpickle dumped
     world_size, backend = request["world_size"], request["backend"]
     timeout = timedelta(seconds=request["timeout"])
     fn, args, kwargs = pickle.loads(request["task"])
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    progress["phase"] = "connecting"
     store = dist.FileStore(request["store"], world_size)
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.barrier()  # every rank is connected to every other before any runs fn
+    progress["phase"] = "running"
     seed_everything(request["seed"])
     result = _to_cpu(fn(*args, **kwargs))  # the caller gets CPU tensors, whatever its device
     dist.destroy_process_group()
