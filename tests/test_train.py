@@ -20,6 +20,7 @@ from picotron.mesh import Mesh
 from picotron.model import Llama
 from picotron.parallel.tensor_parallel import gather_along, gather_parameters
 from picotron.parallel.zero3 import Zero3
+from picotron.tolerance import ADAM_WEIGHTS_ATOL, LOSS_ATOL, TRAINING_GRAD_TOL
 from picotron.train import Trainer, flops_per_token, lr_at, main, parse_args, train
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
@@ -58,10 +59,10 @@ def test_data_parallel_equals_one_process(dp, accum, steps, bucket_mb, recompute
 
     for step in range(steps):
         for rank in ranks:  # every rank logs the global loss
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["loss"][step] - reference["loss"][step]) < LOSS_ATOL, (step, rank["loss"][step])
         for name, grad in reference["grads"][step].items():
-            torch.testing.assert_close(ranks[0]["grads"][step][name], grad, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"step {step}, {name}: {m}")
+            torch.testing.assert_close(ranks[0]["grads"][step][name], grad, rtol=TRAINING_GRAD_TOL,
+                                       atol=TRAINING_GRAD_TOL, msg=lambda m: f"step {step}, {name}: {m}")
         # The ranks saw different windows, and together exactly the single process's batch.
         seen = [rank["samples"][step] for rank in ranks]
         assert len({tuple(s) for s in seen}) == dp
@@ -69,7 +70,7 @@ def test_data_parallel_equals_one_process(dp, accum, steps, bucket_mb, recompute
         assert together == reference["samples"][step]
     for name, weight in reference["weights"].items():  # Adam amplifies summation-order noise: 1e-4
         for rank in ranks:
-            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=ADAM_WEIGHTS_ATOL, atol=ADAM_WEIGHTS_ATOL)
     assert reference["loss"][-1] < reference["loss"][0] - 0.5  # and it learned something
 
 
@@ -78,10 +79,10 @@ def assert_trains_like_one_process(ranks: list[dict], reference: dict, steps: in
     equal one process's (record_losses on both sides)."""
     for rank in ranks:
         for step in range(steps):
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["loss"][step] - reference["loss"][step]) < LOSS_ATOL, (step, rank["loss"][step])
             assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
         for name, weight in reference["weights"].items():
-            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=ADAM_WEIGHTS_ATOL, atol=ADAM_WEIGHTS_ATOL)
         assert rank["digits"] == reference["digits"]
 
 
@@ -135,9 +136,9 @@ def test_zero_equals_one_process(zero_stage, dp, accum):
     assert ranks[0]["kind"] == ("Zero3" if zero_stage == 3 else "ZeroOptimizer")
     for rank in ranks:
         for step in range(steps):
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["loss"][step] - reference["loss"][step]) < LOSS_ATOL, (step, rank["loss"][step])
         for name, weight in reference["weights"].items():
-            torch.testing.assert_close(rank["weights"][name], weight, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=ADAM_WEIGHTS_ATOL, atol=ADAM_WEIGHTS_ATOL)
 
 
 @pytest.mark.parametrize("dp, tp, sequence_parallel", [(2, 2, False), (2, 2, True)])
@@ -191,12 +192,12 @@ def test_expert_parallel_equals_one_process(dp, ep, tp):
     reference = record_losses(single, steps)
     for rank in ranks:
         for step in range(steps):
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
+            assert abs(rank["loss"][step] - reference["loss"][step]) < LOSS_ATOL, (step, rank["loss"][step])
             assert abs(rank["grad_norm"][step] - reference["grad_norm"][step]) < 1e-5 * reference["grad_norm"][step]
     whole = {name: w for rank in ranks[:ep * tp:tp] for name, w in rank["weights"].items()}   # the first ep group
     assert whole.keys() == reference["weights"].keys()           # its ranks hold every expert once between them
     for name, weight in reference["weights"].items():
-        torch.testing.assert_close(whole[name], weight, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(whole[name], weight, rtol=ADAM_WEIGHTS_ATOL, atol=ADAM_WEIGHTS_ATOL)
     assert all(rank["digits"] == reference["digits"] for rank in ranks)
 
 
@@ -545,4 +546,4 @@ def test_command_line_checkpoints_resume_bit_identical_and_in_another_layout(tmp
     assert resumed == uninterrupted[2:]                                  # bit-identical
     resharded = train("--dp", "1", "--tp", "2", "--micro-batch-size", "4", "--resume",
                       str(tmp_path / "ckpt" / "step_000002"), log="c.jsonl")
-    assert resharded == pytest.approx(uninterrupted[2:], abs=1e-5)
+    assert resharded == pytest.approx(uninterrupted[2:], abs=LOSS_ATOL)   # the course's claim for fp32 losses

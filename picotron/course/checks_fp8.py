@@ -12,15 +12,17 @@ plain torch written here, never with picotron.fp8 (the module the assignment reb
         exactly as they were
     check_float8_matmul(float8_matmul)
         a (M, K) @ b (N, K)^T from fp8 copies of both operands quantized along K: equal to the plain
-        computation, and within a stated error of the fp32 product
+        computation (up to float32 round-off), and within a stated error of the fp32 product
     check_float8_linear(Float8LinearFunction)
         its forward (the learner's) with the given backward: output and both gradients equal to the
-        three quantized products written out, and close to bf16 (stated tolerance)
+        three quantized products written out (up to float32 round-off), and close to bf16 (stated tolerance)
 
 Error bound of one quantized element (round to nearest): half a gap of the format at that
 magnitude, |x| 2^-(m+1) for a mantissa of m bits, or scale x (smallest subnormal)/2 below the
 normal range. Matmul tolerances, as relative Frobenius error ||got - ref|| / ||ref|| against bf16:
-0.05 with two e4m3 operands, 0.08 with an e5m2 one (about 2^-(m+1)/sqrt(3) per operand).
+0.05 with two e4m3 operands, 0.08 with an e5m2 one (about 2^-(m+1)/sqrt(3) per operand). "Equal up to
+float32 round-off" is picotron.tolerance's bound for a sum of n terms added in another order (n = K for a
+matmul); the scale and dequantize(q, scale), one division or multiplication, are n = 2.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from typing import Callable
 
 import torch
 
-from picotron.course.checks import Report, mismatch
+from picotron.course.checks import Report, close_enough, mismatch
 
 __all__ = ["check_tensorwise", "check_rowwise", "check_float8_matmul", "check_float8_linear",
            "ref_quantize_tensorwise", "ref_quantize_rowwise", "ref_dequantize", "E4M3", "E5M2",
            "FORWARD_TOL", "E5M2_TOL"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP32 = torch.float32
 FORWARD_TOL = 0.05       # relative Frobenius error against bf16, two e4m3 operands
 E5M2_TOL = 0.08          # with an e5m2 operand (gradients)
 COURSE = ("picotron.fp8", "picotron.mixed_precision")
@@ -127,7 +130,7 @@ def _quantize_problem(got, x: torch.Tensor, dtype: torch.dtype, want_q: torch.Te
         return f"the scale is {scale.dtype}; keep scales in float32 (torch._scaled_mm wants them so)", math.inf
     if tuple(scale.shape) != tuple(want_scale.shape):
         return f"the scale has shape {tuple(scale.shape)}, expected {tuple(want_scale.shape)}", math.inf
-    if not torch.allclose(scale, want_scale, rtol=1e-6, atol=0):
+    if not close_enough(scale, want_scale, FP32, n=2):        # amax / max: a division, a rounding or two apart
         ratio = (scale / want_scale).flatten()[0].item()
         hint = (" (it looks inverted: scale = amax / max, so that x = q * scale)" if abs(ratio - 1) > 0.5 and
                 torch.allclose(scale * want_scale, torch.ones_like(scale), rtol=1e-3) else
@@ -146,7 +149,7 @@ def _quantize_problem(got, x: torch.Tensor, dtype: torch.dtype, want_q: torch.Te
         wrong = int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum())
         return (f"{wrong} of {q.numel()} fp8 values differ from clamp(x / scale, -max, max).to(dtype). "
                 f"{mismatch(q.float(), want_q.float())}"), math.inf
-    if not torch.allclose(back.float(), ref_dequantize(q, scale), rtol=1e-6, atol=0):
+    if not close_enough(back.float(), ref_dequantize(q, scale), FP32, n=2):   # q * scale: one multiplication
         return f"dequantize(q, scale) is not q * scale. {mismatch(back, ref_dequantize(q, scale))}", math.inf
     inside = x.abs() <= _max(dtype) * scale          # saturated elements have no rounding bound
     ratio = ((back - x.float()).abs() / _bound(x, scale, dtype))[inside].max().item() if inside.any() else 0.0
@@ -261,7 +264,8 @@ def check_float8_matmul(float8_matmul: Callable) -> None:
                                    f"{getattr(got, 'shape', type(got).__name__)}")
                     else:
                         error = _rel(got, exact)
-                        if not torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6 * want.abs().max().item()):
+                        # float32 round-off of a sum over K, added in another order (picotron.tolerance)
+                        if not close_enough(got.float(), want, FP32, n=a.shape[-1]):
                             problem = ("not the product of the two dequantized fp8 operands (quantize both along K, "
                                        f"the last dimension, then multiply in float32). {mismatch(got, want)}")
                 tol = E5M2_TOL if E5M2 in (a_dtype, b_dtype) else FORWARD_TOL
@@ -320,7 +324,7 @@ def _linear_case(Float8LinearFunction, x, w, grad, quantize) -> tuple[str, list[
     if not isinstance(y, torch.Tensor) or y.shape != want_y.shape:
         return (f"forward returned {getattr(y, 'shape', type(y).__name__)}, expected shape {tuple(want_y.shape)}: "
                 "flatten the leading dimensions for the matmul and restore them after"), nothing
-    if not torch.allclose(y.float(), want_y, rtol=1e-5, atol=1e-6 * want_y.abs().max().item()):
+    if not close_enough(y.float(), want_y, FP32, n=x.shape[-1]):      # float32 round-off of a sum over K
         return f"forward is not x W^T from e4m3 copies of x and W (quantized along K). {mismatch(y, want_y)}", nothing
     if y.grad_fn is None:
         return "the output has no grad_fn: return forward's result as is (no .detach(), no torch.no_grad())", nothing
@@ -328,10 +332,12 @@ def _linear_case(Float8LinearFunction, x, w, grad, quantize) -> tuple[str, list[
     if problem:
         return (f"backward {problem}. The given backward reads ctx.saved_tensors = (x as (M, K), weight), "
                 "ctx.quantize and ctx.x_shape: set them in forward"), nothing
-    for what, got, want in (("dx", x_in.grad, want_dx), ("dW", w_in.grad, want_dw)):
+    tokens, out = x.numel() // x.shape[-1], w.shape[0]
+    # float32 round-off of each product's sum: dx = dy W over the outputs, dW = dy^T x over the tokens
+    for what, got, want, n in (("dx", x_in.grad, want_dx, out), ("dW", w_in.grad, want_dw, tokens)):
         if got is None or got.shape != want.shape:
             return f"{what} has shape {getattr(got, 'shape', None)}, expected {tuple(want.shape)}", nothing
-        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item()):
+        if not close_enough(got, want, FP32, n=n):
             return (f"{what} differs from the quantized product: did forward save x and the weight themselves "
                     f"(before any quantization) and the quantize it was given? {mismatch(got, want)}"), nothing
     ref = _bf16_linear(x, w, grad)
