@@ -207,10 +207,10 @@ class _Launch:
     def _attempt(self) -> list:
         sys.stdout.flush()
         sys.stderr.flush()
+        self.server = _server()
         # The ranks meet through a file store in a fresh directory: no port to choose, and no TCP
         # connect to the store (on some machines one in a few dozen stalls for seconds).
         store_dir = tempfile.mkdtemp(prefix="picotron-run-")
-        self.server = _server()
         child_fds = []
         try:
             for rank in range(self.world_size):
@@ -240,7 +240,7 @@ class _Launch:
             shutil.rmtree(store_dir, ignore_errors=True)
         return self._collect()
 
-    # ---- the parent ------------------------------------------------------------------
+    # ---- watching the ranks -----------------------------------------------------------
     def _watch(self) -> None:
         """Relay output until every rank is done, one fails, or the time is up."""
         deadline = time.monotonic() + self.timeout
@@ -547,8 +547,8 @@ def _serve(fd: int) -> None:
     """The rank server's loop: fork the ranks of each request, report each rank's exit code."""
     # Imported once here rather than in every rank (none of them initialises CUDA on import): the
     # model, the techniques and the trainer. Not torch._dynamo, which a rank's first optimizer step
-    # imports (0.5 s): with it imported here, about one launch in three after a change of world
-    # size failed in gloo's connectFullMesh ("Connection closed by peer"), for reasons not found.
+    # imports (0.5 s): it imports triton too, and forking from a server that holds it has not been
+    # shown safe on a GPU machine.
     import cloudpickle  # noqa: F401
     try:
         import picotron.train  # noqa: F401
@@ -673,7 +673,9 @@ def _rank_body(rank: int, request: dict, progress: dict) -> tuple:
     store = dist.FileStore(request["store"], world_size)
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    dist.barrier()  # every rank is connected to every other before any runs fn
+    # Every rank is connected to every other before any runs fn: without this, a rank whose fn makes no
+    # collective call can finish and close its sockets while a peer still completes their connection.
+    dist.barrier()
     progress["phase"] = "running"
     seed_everything(request["seed"])
     result = _to_cpu(fn(*args, **kwargs))  # the caller gets CPU tensors, whatever its device
