@@ -480,22 +480,24 @@ class _Server:
         exit by themselves (they have sent their results) before killing what is left. The server
         does the killing: it knows which of its children have not been reaped, so a pid that has
         meanwhile been reused by another process is never hit."""
-        for grace, final in ((0.0 if kill else 5.0, False), (30.0, True)):
-            if grace:
-                deadline = time.monotonic() + grace
-                while any(pid not in self.exited for pid in pids) and time.monotonic() < deadline:
-                    self._next(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
-            left = [pid for pid in pids if pid not in self.exited]
-            if not left:
-                break
-            if final:  # the server is stuck: take it down, its ranks go with it
-                self.close()
-                break
+        if not kill:
+            self._wait_for(pids, seconds=5.0)
+        left = [pid for pid in pids if pid not in self.exited]
+        if left:
             _send(self.sock, ("kill", left))
-            deadline = time.monotonic() + 30
-            while any(pid not in self.exited for pid in pids) and time.monotonic() < deadline:
-                self._next(timeout=1.0)
+            if not self._wait_for(pids, seconds=30.0):
+                self.close()  # the server is stuck: take it down, its ranks go with it
         return {pid: self.exited.get(pid) for pid in pids}
+
+    def _wait_for(self, pids: list[int], seconds: float) -> bool:
+        """Wait up to `seconds` for the server to report every pid's exit; whether it did."""
+        deadline = time.monotonic() + seconds
+        while any(pid not in self.exited for pid in pids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._next(timeout=min(1.0, left))
+        return True
 
     def _next(self, timeout: float | None = None) -> tuple:
         self.sock.settimeout(timeout)
@@ -529,6 +531,8 @@ def _server() -> _Server:
     """The caller's rank server, started on first use (about a second: a fresh Python imports torch)."""
     global _the_server
     if _the_server is None or not _the_server.alive():
+        if _the_server is not None:  # it died (killed, or the machine ran out of memory)
+            _the_server.close()
         _the_server = _Server()
         atexit.register(_the_server.close)
     return _the_server

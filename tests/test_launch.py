@@ -192,6 +192,13 @@ def test_the_rank_server_and_its_ranks_die_with_the_caller(tmp_path):
     assert not alive
 
 
+def test_a_rank_server_that_died_is_replaced():
+    run(rank_sum, 2, args=(0,))
+    launch._the_server.process.kill()
+    launch._the_server.process.wait()
+    assert run(rank_sum, 2, args=(0,)) == [1.0, 1.0]
+
+
 def test_launch_overhead_after_the_first_run():
     def nothing():
         return None
