@@ -1,0 +1,274 @@
+"""The rank server: the helper process behind `picotron.launch.run`, and what each rank does.
+
+`run` starts this module once per caller, in a fresh Python (`serve`): it imports torch and
+picotron's heavy dependencies, then only waits. For each launch the caller sends one request
+(the pickled function, the caller's environment, working directory and sys.path, and two pipe
+ends per rank); the server forks one process per rank, so every rank starts from this clean,
+already-imported state, never from a copy of the caller (a notebook that has run a backward pass
+or touched CUDA). It reports each rank's exit code back as the rank exits, and kills ranks when
+the caller asks, or when the caller itself is gone.
+
+A rank (`rank_main`) adopts the caller's environment (CPU ranks with the GPUs hidden), joins the
+process group through a file store, passes a barrier, runs the function and writes its result,
+or its error with the traceback, to its result pipe; its stdout and stderr go to its output pipe,
+which the caller relays as "[rank r] ...". Only this module runs in the server and the ranks;
+picotron.launch is the caller's side.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import pickle
+import random
+import selectors
+import signal
+import socket
+import struct
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "seed_everything", "serve", "send", "receive"]
+
+
+class RankError(RuntimeError):
+    """Raised in the caller when a rank failed without an exception that can be rebuilt there
+    (it died, or its exception could not travel)."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:  # numpy is optional for the launcher itself
+        pass
+
+
+# ---- talking to the caller ----------------------------------------------------------------------
+# The caller and the server talk over a Unix socket in frames: 4 bytes of length, then a pickle.
+# A launch request carries two pipe ends per rank (output, result) as file descriptors.
+_FRAME = struct.Struct("!I")
+
+
+def send(sock: socket.socket, message: Any, fds: list[int] = ()) -> None:
+    data = pickle.dumps(message)
+    socket.send_fds(sock, [_FRAME.pack(len(data))], list(fds))
+    sock.sendall(data)
+
+
+def receive(sock: socket.socket, max_fds: int = 0) -> tuple[Any, list[int]]:
+    """One frame and the descriptors that came with it; (None, []) when the other side is gone."""
+    header, fds, _, _ = socket.recv_fds(sock, _FRAME.size, max_fds) if max_fds else (sock.recv(_FRAME.size), [], 0, 0)
+    if not header:
+        return None, []
+    header += _read_exactly(sock, _FRAME.size - len(header))
+    return pickle.loads(_read_exactly(sock, _FRAME.unpack(header)[0])), list(fds)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the other end (the caller or the rank server) closed the connection")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+# ---- the server --------------------------------------------------------------------------------
+def _kill_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):  # the group takes the rank's own children with it
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def serve(fd: int) -> None:
+    """The rank server's loop: fork the ranks of each request, report each rank's exit code."""
+    # Imported once here rather than in every rank (none of them initialises CUDA on import):
+    # cloudpickle, and torch.distributed.checkpoint, which picotron's trainer imports (0.6 s).
+    # Not torch._dynamo, which a rank's first optimizer step imports (0.5 s): it imports triton
+    # too, and forking from a server that holds it has not been shown safe on a GPU machine.
+    import cloudpickle  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    _die_with_parent()
+    sock = socket.socket(fileno=fd)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a rank exited: the wakeup pipe says so
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ, "request")
+    selector.register(wake_read, selectors.EVENT_READ, "exit")
+    running: set[int] = set()
+    while True:
+        for key, _ in selector.select():
+            if key.data == "exit":
+                os.read(wake_read, 1 << 12)
+                for pid, code in _reap(running):
+                    send(sock, ("exited", pid, code))
+                continue
+            request, fds = receive(sock, max_fds=2 * 1024)
+            if request is None:  # the caller is gone: so are its ranks
+                for pid in running:
+                    _kill_group(pid)
+                os._exit(0)
+            if isinstance(request, tuple) and request[0] == "kill":  # ranks to stop: those not yet reaped
+                for pid in set(request[1]) & running:
+                    _kill_group(pid)
+                continue
+            try:
+                pids = []
+                for rank in range(request["world_size"]):
+                    pid = os.fork()
+                    if pid == 0:
+                        os.close(wake_read)
+                        os.close(wake_write)
+                        sock.close()
+                        _rank_main(rank, request, fds)  # never returns
+                    try:
+                        os.setpgid(pid, pid)  # also done by the child: whichever runs first
+                    except OSError:
+                        pass
+                    pids.append(pid)
+                    running.add(pid)
+                send(sock, ("started", pids))
+            except Exception as e:  # noqa: BLE001 - tell the caller rather than die
+                send(sock, ("failed", f"{type(e).__name__}: {e}"))
+            finally:
+                for descriptor in fds:
+                    os.close(descriptor)
+
+
+def _reap(running: set[int]) -> list[tuple[int, int]]:
+    done = []
+    while running:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        running.discard(pid)
+        done.append((pid, os.waitstatus_to_exitcode(status)))
+    return done
+
+
+# ---- a rank ------------------------------------------------------------------------------------
+def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
+    """In a freshly forked rank: adopt the caller's environment, run the task, send the result."""
+    out_fd, result_fd = fds[2 * rank], fds[2 * rank + 1]
+    code = 0
+    progress = {"phase": "starting"}  # then "connecting" (joining the process group), then "running"
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setpgid(0, 0)  # own process group: killing it takes any grandchildren too
+        _die_with_parent()
+        for descriptor in fds:  # the other ranks' pipes belong to them
+            if descriptor not in (out_fd, result_fd):
+                os.close(descriptor)
+        # Point fds 1 and 2 at the pipe, so prints, warnings and C++ logs all come back.
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request["backend"] == "gloo":
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks never initialise CUDA
+        os.chdir(request["cwd"])
+        sys.path[:] = request["sys_path"]
+        linecache.cache.update(request["sources"])
+        torch.set_num_threads(1)
+        payload = _rank_body(rank, request, progress)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
+        payload = ("error", {**_describe(e, rank), "phase": progress["phase"]})
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        data = _dumps(payload, rank)
+    except BaseException as e:  # noqa: BLE001 - the error itself cannot travel: say what it was
+        data = pickle.dumps(("error", {"type": RankError, "rank": rank, "message": f"{type(e).__name__}: {e}",
+                                       "traceback": ""}))
+        code = 2
+    with os.fdopen(result_fd, "wb") as f:
+        f.write(data)
+    os._exit(code)  # skip the server's atexit handlers
+
+
+def _rank_body(rank: int, request: dict, progress: dict) -> tuple:
+    import cloudpickle  # noqa: F401 - loads what cloudpickle dumped
+    world_size, backend = request["world_size"], request["backend"]
+    timeout = timedelta(seconds=request["timeout"])
+    fn, args, kwargs = pickle.loads(request["task"])
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    progress["phase"] = "connecting"
+    store = dist.FileStore(request["store"], world_size)
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # Every rank is connected to every other before any runs fn: without this, a rank whose fn makes no
+    # collective call can finish and close its sockets while a peer still completes their connection.
+    dist.barrier()
+    progress["phase"] = "running"
+    seed_everything(request["seed"])
+    result = _to_cpu(fn(*args, **kwargs))  # the caller gets CPU tensors, whatever its device
+    dist.destroy_process_group()
+    return ("ok", result)
+
+
+def _dumps(payload: tuple, rank: int) -> bytes:
+    import cloudpickle
+    try:
+        return cloudpickle.dumps(payload)
+    except Exception as e:  # noqa: BLE001 - a result that cannot travel is the rank's error
+        if payload[0] != "ok":
+            raise
+        message = (f"its return value ({type(payload[1]).__name__}) cannot be sent back: {type(e).__name__}: {e}. "
+                   "Return plain values (numbers, strings, tensors, lists, dicts of them)")
+        return cloudpickle.dumps(("error", {"type": RankError, "rank": rank, "message": message, "traceback": ""}))
+
+
+def _die_with_parent() -> None:
+    """On Linux, ask the kernel to kill this process if its parent dies (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _describe(e: BaseException, rank: int) -> dict:
+    import cloudpickle
+    kind = type(e)
+    try:
+        cloudpickle.dumps(kind)  # a class defined in a notebook cell travels by value
+    except Exception:  # noqa: BLE001
+        kind = RankError
+    frames = e.__traceback__
+    while frames is not None and frames.tb_next is not None and frames.tb_frame.f_code.co_filename == __file__:
+        frames = frames.tb_next  # start at the user's code, not at the launcher's frames around it
+    return {"type": kind, "rank": rank, "message": f"{type(e).__name__}: {e}" if kind is RankError else str(e),
+            "traceback": "".join(traceback.format_exception(type(e), e, frames))}
