@@ -2,8 +2,15 @@
 
 Every parallel technique is a choice of which collective moves which tensor when. To put
 a measured number next to a technique's cost formula, each wrapper here records the call
-and the bytes of the real tensor this rank hands to it, into a `CommCounter` that the
-caller owns (usually `mesh.counter`). Nothing is estimated: a tensor of 1 MiB passed to
+and the bytes of the real tensor this rank hands to it, into every `CommCounter` that a caller
+has opened with `counting`:
+
+    with comm.counting(mesh.counter):        # or `with comm.counting() as counter:`
+        loss = model(x).sum(); loss.backward()
+    print(mesh.counter.table())
+
+The techniques never see the counter: their signatures are (tensor, group), and measuring is
+something the caller switches on around them. Nothing is estimated: a tensor of 1 MiB passed to
 `all_reduce` counts 1 MiB, whatever algorithm the backend then runs.
 
 What "payload bytes" means for each operation (bytes of the data this rank contributes):
@@ -24,7 +31,8 @@ Chapter 00 measures that directly.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -72,9 +80,36 @@ class CommCounter:
         return f"CommCounter({self.snapshot()})"
 
 
+# The counters open now, outermost first. One list for the whole process, not one per thread: the
+# collectives of a backward pass (gradient hooks, the backward of an autograd Function) run on
+# autograd's threads, and a rank is a process of its own, so process-wide is exactly "this rank".
+_open_counters: list[CommCounter] = []
+
+
+@contextmanager
+def counting(counter: CommCounter | None = None) -> Iterator[CommCounter]:
+    """Record every collective this rank issues inside the block into `counter` (a new one if None).
+
+    Blocks nest: a collective is recorded once into each counter open at the time.
+    """
+    counter = CommCounter() if counter is None else counter
+    _open_counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _open_counters.pop(len(_open_counters) - 1 - _open_counters[::-1].index(counter))
+
+
+def record(op: str, *tensors: torch.Tensor) -> None:
+    """Count a transfer that does not go through these wrappers (an isend the caller posts itself)."""
+    _count(None, op, *tensors)
+
+
 def _count(counter: CommCounter | None, op: str, *tensors: torch.Tensor) -> None:
-    if counter is not None:
-        counter.record(op, sum(t.numel() * t.element_size() for t in tensors))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    targets = _open_counters + ([counter] if counter is not None else [])
+    for target in {id(c): c for c in targets}.values():   # each counter once, however often it is open
+        target.record(op, nbytes)
 
 
 def all_reduce(tensor, group=None, op=ReduceOp.SUM, *, counter=None, async_op=False):

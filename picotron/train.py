@@ -148,50 +148,56 @@ class Trainer:
         validate(config, mesh.world_size if mesh else 1)
         p, t = config.parallel, config.train
         self.config, self.mesh = config, mesh
-        self.device = launch.device()
-        torch.manual_seed(t.seed)
-        self.model = Llama(config.model).to(self.device)
-        self.loss_fn = loss_fn
-        if mesh and p.tp > 1:  # chapter 04: each tp rank keeps its slice of every matrix and of the vocabulary
-            tp.apply_tensor_parallel(self.model, mesh, sequence_parallel=p.sequence_parallel, counter=mesh.counter)
-            self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=mesh.tp_group, counter=mesh.counter)
-        if mesh and p.cp > 1:  # chapter 05: each cp rank holds a slice of every sequence; attention gathers the rest
-            cp.apply_context_parallel(self.model, mesh, mode=p.cp_mode, counter=mesh.counter)
-        self.ep_groups = None
-        if mesh and p.ep > 1:  # chapter 07: each rank of an ep group keeps num_experts/ep experts; tokens travel
-            self.ep_groups = ep.expert_parallel_groups(mesh, p.ep)
-            ep.apply_expert_parallel(self.model, self.ep_groups, counter=mesh.counter)
-        self.stages = None
-        trained: torch.nn.Module = self.model          # what this rank trains: the whole model, or its stages
-        if mesh and p.pp > 1:  # chapter 06: this rank runs its stages' layers; the step's micro-batches flow through
-            self.stages = pp.build_stages(self.model, mesh.pp_rank, mesh.pp_size, virtual_stages=p.pp_virtual_stages)
-            self.schedule = pp.make_schedule(p.pp_schedule, mesh.pp_size, t.grad_accum_steps, p.pp_virtual_stages)
-            trained = torch.nn.ModuleList(self.stages)
-        self.trained = trained
+        # Building the model may communicate (weights broadcast to the replicas): counted into the mesh's counter.
+        with self.counting():
+            self.device = launch.device()
+            torch.manual_seed(t.seed)
+            self.model = Llama(config.model).to(self.device)
+            self.loss_fn = loss_fn
+            if mesh and p.tp > 1:  # chapter 04: each tp rank keeps its slice of every matrix and of the vocabulary
+                tp.apply_tensor_parallel(self.model, mesh, sequence_parallel=p.sequence_parallel)
+                self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=mesh.tp_group)
+            if mesh and p.cp > 1:  # chapter 05: each cp rank holds a slice of every sequence; attention gathers the rest
+                cp.apply_context_parallel(self.model, mesh, mode=p.cp_mode)
+            self.ep_groups = None
+            if mesh and p.ep > 1:  # chapter 07: each rank of an ep group keeps num_experts/ep experts; tokens travel
+                self.ep_groups = ep.expert_parallel_groups(mesh, p.ep)
+                ep.apply_expert_parallel(self.model, self.ep_groups)
+            self.stages = None
+            trained: torch.nn.Module = self.model          # what this rank trains: the whole model, or its stages
+            if mesh and p.pp > 1:  # chapter 06: this rank runs its stages' layers; the step's micro-batches flow through
+                self.stages = pp.build_stages(self.model, mesh.pp_rank, mesh.pp_size, virtual_stages=p.pp_virtual_stages)
+                self.schedule = pp.make_schedule(p.pp_schedule, mesh.pp_size, t.grad_accum_steps, p.pp_virtual_stages)
+                trained = torch.nn.ModuleList(self.stages)
+            self.trained = trained
 
-        def make_optimizer(params):
-            return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+            def make_optimizer(params):
+                return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
-        # The replicas are the dp x cp ranks: cp ranks hold the same weights and saw different tokens of the
-        # same sequences, so the mean of their gradients is the gradient of the loss over whole sequences.
-        # ZeRO and DataParallel broadcast rank 0's weights so that the replicas start identical (they are
-        # already: every rank built the model from the same seed).
-        self.dp = self.zero = None
-        replicas = mesh.dp_cp_group if mesh else None
-        if mesh and p.zero_stage == 3:      # chapter 03: parameters gathered unit by unit, prefetched
-            self.zero = Zero3(self.model, replicas, optimizer=make_optimizer, counter=mesh.counter)
-        elif mesh and p.zero_stage:         # chapter 03: this rank's shard of the optimizer state (and gradients)
-            self.zero = ZeroOptimizer(trained, replicas, stage=p.zero_stage, optimizer=make_optimizer,
-                                      bucket_mb=t.bucket_mb, counter=mesh.counter)
-        elif mesh and not self.ep_groups and not self.stages:
-            # chapter 02: bucketed gradient all-reduces, overlapped with backward. With ep, train_step averages
-            # the gradients itself (each expert over the ranks holding it, chapter 07); with pp, after the
-            # schedule's last backward.
-            self.dp = DataParallel(self.model, replicas, bucket_mb=t.bucket_mb, counter=mesh.counter)
-        # The ZeRO object steps its shards with an AdamW of its own, and has the same methods.
-        self.optimizer = self.zero or make_optimizer(trained.parameters())
-        self.loader = make_loader(t, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
-                                  cp_rank=mesh.cp_rank if mesh else 0, cp_size=p.cp, zigzag=p.cp_mode == "zigzag")
+            # The replicas are the dp x cp ranks: cp ranks hold the same weights and saw different tokens of the
+            # same sequences, so the mean of their gradients is the gradient of the loss over whole sequences.
+            # ZeRO and DataParallel broadcast rank 0's weights so that the replicas start identical (they are
+            # already: every rank built the model from the same seed).
+            self.dp = self.zero = None
+            replicas = mesh.dp_cp_group if mesh else None
+            if mesh and p.zero_stage == 3:      # chapter 03: parameters gathered unit by unit, prefetched
+                self.zero = Zero3(self.model, replicas, optimizer=make_optimizer)
+            elif mesh and p.zero_stage:         # chapter 03: this rank's shard of the optimizer state (and gradients)
+                self.zero = ZeroOptimizer(trained, replicas, stage=p.zero_stage, optimizer=make_optimizer,
+                                          bucket_mb=t.bucket_mb)
+            elif mesh and not self.ep_groups and not self.stages:
+                # chapter 02: bucketed gradient all-reduces, overlapped with backward. With ep, train_step averages
+                # the gradients itself (each expert over the ranks holding it, chapter 07); with pp, after the
+                # schedule's last backward.
+                self.dp = DataParallel(self.model, replicas, bucket_mb=t.bucket_mb)
+            # The ZeRO object steps its shards with an AdamW of its own, and has the same methods.
+            self.optimizer = self.zero or make_optimizer(trained.parameters())
+            self.loader = make_loader(t, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
+                                      cp_rank=mesh.cp_rank if mesh else 0, cp_size=p.cp, zigzag=p.cp_mode == "zigzag")
+
+    def counting(self):
+        """Count the collectives of the block into `mesh.counter` (picotron.comm.counting); one process: none."""
+        return comm.counting(self.mesh.counter) if self.mesh else nullcontext()
 
     def _pipeline_step(self, step: int) -> tuple[torch.Tensor, list]:
         """One step of the pipeline schedule; returns the global batch's loss and the sample ids.
@@ -208,12 +214,12 @@ class Trainer:
         result = pp.run_schedule(self.schedule, self.stages, mesh, [b.input_ids for b in batches],
                                  [b.targets for b in batches], self.loss_fn,
                                  activation_shape=(t.micro_batch_size, seq, self.config.model.hidden_size),
-                                 counter=mesh.counter, position_ids=[b.position_ids for b in batches])
-        pp.sync_tied_embeddings(self.stages, mesh, counter=mesh.counter)
+                                 position_ids=[b.position_ids for b in batches])
+        pp.sync_tied_embeddings(self.stages, mesh)
         if self.zero:
             self.zero.finish_gradient_sync()
         elif mesh.dp_size * mesh.cp_size > 1:
-            all_reduce_gradients(self.trained, mesh.dp_cp_group, counter=mesh.counter)
+            all_reduce_gradients(self.trained, mesh.dp_cp_group)
         # Only the last stage's rank knows the loss: a sum over the pp group with zeros elsewhere
         # shares it (for the log only: not counted); the dp x cp mean follows in train_step.
         loss = result.loss.detach().clone() if result.loss is not None else torch.zeros((), device=self.device)
@@ -222,6 +228,10 @@ class Trainer:
 
     def train_step(self, step: int) -> StepResult:
         """Forward and backward over the micro-batches, average gradients over dp x cp, one AdamW step."""
+        with self.counting():
+            return self._train_step(step)
+
+    def _train_step(self, step: int) -> StepResult:
         t, start = self.config.train, time.perf_counter()
         if self.zero:
             self.zero.zero_grad()          # ZeRO keeps its gradients in flat buffers: zeroed in place
@@ -256,7 +266,7 @@ class Trainer:
             local_loss += loss.detach()
             sample_ids += batch.sample_ids.tolist()
         if self.ep_groups:     # once, after the last micro-batch: experts over their replicas, the rest over dp x cp
-            ep.average_gradients(self.model, self.ep_groups, counter=self.mesh.counter)
+            ep.average_gradients(self.model, self.ep_groups)
         elif self.dp or self.zero:
             (self.dp or self.zero).finish_gradient_sync()
         return local_loss, sample_ids
@@ -304,7 +314,7 @@ class Trainer:
         else:
             grads = [q.grad for q in self.trained.parameters() if q.grad is not None and self._counted_here(q)]
             squares = sum((g.float().square().sum() for g in grads), torch.zeros((), device=self.device))
-        comm.all_reduce(squares, counter=self.mesh.counter)
+        comm.all_reduce(squares)
         norm = squares.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)      # torch's rule: never scale up
         if self.zero:

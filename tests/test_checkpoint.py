@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from picotron import checkpoint
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from picotron.course.checks import one_thread
+from picotron_course.checks import one_thread
 from picotron.launch import run
 from picotron.mesh import Mesh
 from picotron.model import Llama

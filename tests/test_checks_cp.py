@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron.course import checks_cp
-from picotron.course.checks_cp import check_attend_block, check_layout, check_merge, check_ring_attention
+from picotron_course import checks_cp
+from picotron_course.checks_cp import check_attend_block, check_layout, check_merge, check_ring_attention
 
 INF = math.inf
 

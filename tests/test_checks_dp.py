@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron.course.checks_dp import check_data_parallel, check_grad_bucket, check_grad_views, check_hooks
+from picotron_course.checks_dp import check_data_parallel, check_grad_bucket, check_grad_views, check_hooks
 from picotron.parallel import data_parallel as package
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from torch.autograd import Function
 
-from picotron.course.checks_ep import (check_all_to_all, check_combine, check_dispatch, check_expert_parallel_moe,
+from picotron_course.checks_ep import (check_all_to_all, check_combine, check_dispatch, check_expert_parallel_moe,
                                        check_permute, dense_moe, recorded_exchanges)
 from picotron.launch import run
 
@@ -385,7 +385,7 @@ def test_unsolved_answer_raises_not_implemented():
 # ---- the reference and the recorder -------------------------------------------------------------------
 def test_dense_loop_matches_a_vectorised_moe():
     """The dense loop equals the same layer written with one matmul per expert over a one-hot mask."""
-    from picotron.course import checks_ep as ep
+    from picotron_course import checks_ep as ep
     case = ep.ROUTE_CASES[0]
     _, tokens, top_k, kind = case
     xs = [ep._tokens(r, tokens, 0) for r in range(2)]

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from picotron.course.checks_fp8 import (E4M3, E5M2, check_float8_linear, check_float8_matmul, check_rowwise,
+from picotron_course.checks_fp8 import (E4M3, E5M2, check_float8_linear, check_float8_matmul, check_rowwise,
                                         check_tensorwise)
 
 

@@ -10,7 +10,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from picotron.course.checks_kernels import check_rmsnorm_kernel, check_softmax_kernel
+from picotron_course.checks_kernels import check_rmsnorm_kernel, check_softmax_kernel
 
 
 # ---- correct answers ------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def test_not_implemented_raised_inside_a_kernel_comes_out_as_itself():
     """The interpreter wraps what a kernel raises in an InterpreterError; launch unwraps NotImplementedError."""
     import torch
 
-    from picotron.course.checks_kernels import launch
+    from picotron_course.checks_kernels import launch
 
     @triton.jit
     def calls_an_unfinished_helper(x_ptr, BLOCK: tl.constexpr):

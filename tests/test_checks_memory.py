@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from picotron.config import ModelConfig
-from picotron.course import checks_memory
-from picotron.course.checks_memory import SavedStorages, check_activation_bytes, check_num_params, check_recompute
+from picotron_course import checks_memory
+from picotron_course.checks_memory import SavedStorages, check_activation_bytes, check_num_params, check_recompute
 
 
 # ---- correct answers -------------------------------------------------------------------------

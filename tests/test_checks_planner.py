@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from picotron.course.checks_planner import (Layout, candidate_layouts, check_best_layout, check_memory_per_gpu,
+from picotron_course.checks_planner import (Layout, candidate_layouts, check_best_layout, check_memory_per_gpu,
                                             check_params_on_first_stage, check_step_time)
 from picotron.memory import estimate_memory, training_flops_per_token
 from picotron.parallel.tensor_parallel_costs import tp_activation_bytes_per_layer
@@ -121,7 +121,7 @@ def memory_fp32_optimizer_always(model, layout, seq, batch, precision):
 
 
 def memory_calls_picotron(model, layout, seq, batch, precision):
-    from picotron.course.checks_planner import plan_of
+    from picotron_course.checks_planner import plan_of
     from picotron.config import TrainConfig
     m = batch // (layout.dp * layout.micro_batch_size)
     e = estimate_memory(dataclasses.replace(model, recompute=layout.recompute, max_seq_len=max(seq, model.max_seq_len)),

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from picotron.course.checks_pp import (STRUCTURE_CASES, TRAIN_CASES, check_afab_actions, check_one_f_one_b_actions,
+from picotron_course.checks_pp import (STRUCTURE_CASES, TRAIN_CASES, check_afab_actions, check_one_f_one_b_actions,
                                        check_one_f_one_b_training, show_timeline)
 from picotron.parallel.pipeline_parallel import Action
 

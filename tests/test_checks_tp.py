@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from picotron.course.checks_tp import (check_column_parallel, check_copy_to_tp, check_reduce_from_tp,
+from picotron_course.checks_tp import (check_column_parallel, check_copy_to_tp, check_reduce_from_tp,
                                        check_row_parallel, check_tp_mlp, check_vocab_parallel_cross_entropy,
                                        recorded_collectives)
 from picotron.launch import run

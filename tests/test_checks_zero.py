@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from picotron.course.checks_zero import (check_shard_range, check_zero1, check_zero3_forward, check_zero3_training,
+from picotron_course.checks_zero import (check_shard_range, check_zero1, check_zero3_forward, check_zero3_training,
                                          recorded_collectives)
 from picotron.launch import run
 

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from picotron.comm import send_recv
-from picotron.course import checks, exercises
-from picotron.course.checks import (CollectiveNotAllowed, check_all_gather_phase, check_chunk_to_send,
+from picotron_course import checks, exercises
+from picotron_course.checks import (CollectiveNotAllowed, check_all_gather_phase, check_chunk_to_send,
                                     check_reduce_scatter_phase, check_ring_all_reduce)
-from picotron.course.exercises import MarkerError, is_check_cell, stub_code, stub_markdown
+from picotron_course.exercises import MarkerError, is_check_cell, stub_code, stub_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISE_NOTEBOOKS = sorted((ROOT / "exercises").glob("*.ipynb"))
@@ -38,7 +38,7 @@ def test_exercises_are_generated_from_solutions(tmp_path):
         committed = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
         assert [(c.cell_type, c.source) for c in committed.cells] == \
                [(c.cell_type, c.source) for c in generated.cells], \
-               f"exercises/{solution.name} is stale: run `python -m picotron.course generate`"
+               f"exercises/{solution.name} is stale: run `python -m picotron_course generate`"
         assert not any(c.get("outputs") or c.get("execution_count") for c in committed.cells)
         assert "### BEGIN SOLUTION" not in json.dumps([c.source for c in committed.cells])
     assert exercises.stale(ROOT) == []
@@ -52,7 +52,7 @@ def test_stale_exercises_are_detected(tmp_path):
     nb.cells[-1].source += "\nedited by hand"
     nbformat.write(nb, tmp_path / "exercises" / EXERCISE_NOTEBOOKS[0].name)
     assert "differs" in " ".join(exercises.stale(tmp_path))
-    cli = [sys.executable, "-m", "picotron.course"]
+    cli = [sys.executable, "-m", "picotron_course"]
     assert subprocess.run([*cli, "check", "--root", str(tmp_path)], capture_output=True).returncode == 1
     assert exercises.generate(tmp_path) == [tmp_path / "exercises" / EXERCISE_NOTEBOOKS[0].name]
     assert exercises.stale(tmp_path) == []
@@ -381,14 +381,14 @@ def test_check_cells_are_recognised():
     cell = nbformat.v4.new_code_cell
     assert is_check_cell(cell("check_ring_all_reduce(ring_all_reduce)"))
     assert is_check_cell(cell("# run it\nfor f in fs:\n    check_thing(f)"))
-    assert not is_check_cell(cell("from picotron.course.checks import check_ring_all_reduce"))
+    assert not is_check_cell(cell("from picotron_course.checks import check_ring_all_reduce"))
     assert not is_check_cell(cell("def check_mine(x):\n    return x"))
     assert not is_check_cell(nbformat.v4.new_markdown_cell("check_ring_all_reduce(f)"))
 
 
 # ---- 6. grading ------------------------------------------------------------------------------
 def _grade(path):
-    done = subprocess.run([sys.executable, "-m", "picotron.course", "grade", str(path)],
+    done = subprocess.run([sys.executable, "-m", "picotron_course", "grade", str(path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=240)
     return done.returncode, done.stdout
 
@@ -407,7 +407,7 @@ def test_grade_prints_the_score(folder, score, code):
 
 def test_grade_continues_after_a_failing_cell(tmp_path):
     """A learner who solved the first and the third function scores 2/4."""
-    from picotron.course.grade import grade, score_table
+    from picotron_course.grade import grade, score_table
     solution = nbformat.read(ROOT / "solutions" / "00_collectives.ipynb", as_version=4)
     learner = nbformat.read(ROOT / "exercises" / "00_collectives.ipynb", as_version=4)
     for i, cell in enumerate(solution.cells):

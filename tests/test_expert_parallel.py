@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
-from picotron.course.checks import one_thread
+from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.mesh import Mesh

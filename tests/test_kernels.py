@@ -43,13 +43,13 @@ NOTEBOOK_PACKAGES = ("nbformat", "nbclient", "ipywidgets", "matplotlib", "jupyte
 def test_the_rest_of_picotron_does_not_import_triton():
     """Every picotron module but picotron.kernels (and the checks of chapter 09) imports without triton.
 
-    A picotron.course module that needs a notebook package this machine lacks is left out (and named);
+    A picotron_course module that needs a notebook package this machine lacks is left out (and named);
     a core module never is, and any other missing package is an error: so the test still fails when a
     module imports triton, installed (it lands in sys.modules) or not (ModuleNotFoundError: triton)."""
     # Module names from the files (pkgutil.walk_packages would import picotron.kernels to look inside it).
     names = sorted(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
                    for path in (ROOT / "picotron").rglob("*.py"))
-    names = [name for name in names if not name.startswith(("picotron.kernels", "picotron.course.checks_kernels"))]
+    names = [name for name in names if not name.startswith(("picotron.kernels", "picotron_course.checks_kernels"))]
     assert "picotron.model" in names and "picotron.train" in names
     done = _python(f"""
         import importlib, sys
@@ -59,7 +59,7 @@ def test_the_rest_of_picotron_does_not_import_triton():
                 importlib.import_module(name)
             except ModuleNotFoundError as error:
                 missing = (error.name or "").partition(".")[0]
-                if not (name.startswith("picotron.course") and missing in {NOTEBOOK_PACKAGES!r}):
+                if not (name.startswith("picotron_course") and missing in {NOTEBOOK_PACKAGES!r}):
                     raise
                 left_out.append(name + " needs " + missing)
         assert "triton" not in sys.modules, [name for name in sys.modules if name.startswith("triton")]

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
-from picotron.course.checks import one_thread
+from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
 from picotron.model import Llama, loss_fn

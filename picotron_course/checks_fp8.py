@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from picotron.course.checks import Report, close_enough, mismatch
+from picotron_course.checks import Report, close_enough, mismatch
 
 __all__ = ["check_tensorwise", "check_rowwise", "check_float8_matmul", "check_float8_linear",
            "ref_quantize_tensorwise", "ref_quantize_rowwise", "ref_dequantize", "E4M3", "E5M2",

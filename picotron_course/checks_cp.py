@@ -51,8 +51,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from picotron.course import settings
-from picotron.course.checks import (Report, close_enough, mismatch, on_ranks, one_thread, only_point_to_point,
+from picotron_course import settings
+from picotron_course.checks import (Report, close_enough, mismatch, on_ranks, one_thread, only_point_to_point,
                                     patched, preview, rank_tensor)
 
 __all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "WORLD", "CP_SIZES",

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from picotron.course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
+from picotron_course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
                                     on_ranks, payload_of, rank_tensor)
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",

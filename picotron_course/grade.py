@@ -1,6 +1,6 @@
 """Grade a learner's notebook: run every cell in a fresh kernel, count the check cells that pass.
 
-    python -m picotron.course grade exercises/00_collectives.ipynb
+    python -m picotron_course grade exercises/00_collectives.ipynb
 
 Every cell runs, in order, even after one fails (a learner who solved exercises 1 and 3 gets
 both), with the notebook's folder as working directory. A check cell passes when it raises
@@ -18,7 +18,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
-from picotron.course.exercises import check_name
+from picotron_course.exercises import check_name
 
 __all__ = ["CellResult", "grade", "score_table"]
 

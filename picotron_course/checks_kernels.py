@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from picotron import tolerance
-from picotron.course.checks import Report, max_abs_error, mismatch
+from picotron_course.checks import Report, max_abs_error, mismatch
 from picotron.kernels import INTERPRETED, kernel_device   # decides interpreter vs compiler, before any kernel
 
 __all__ = ["check_softmax_kernel", "check_rmsnorm_kernel", "SOFTMAX_CASES", "RMSNORM_CASES", "launch"]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from picotron.course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
+from picotron_course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
                                     on_ranks, payload_of, rank_tensor)
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",

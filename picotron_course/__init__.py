@@ -3,13 +3,13 @@
 Every notebook takes its problem sizes from `settings` so they are small on a laptop CPU
 (a chapter runs in about a minute) and larger on GPUs, never from environment variables:
 
-    from picotron.course import settings
+    from picotron_course import settings
     run(step, world_size=settings.world_size, timeout=settings.timeout)
 
 The assignments (solutions/ -> exercises/) use the rest of this package:
 `exercises` generates exercises from solutions and strips notebook outputs, `checks` holds
 the check each exercise cell calls, `grade` scores a learner's notebook; the command line
-is `python -m picotron.course generate | check | strip | grade` (see __main__.py).
+is `python -m picotron_course generate | check | strip | grade` (see __main__.py).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from picotron import tolerance
-from picotron.course import settings
+from picotron_course import settings
 from picotron.launch import device, run
 
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "close_in_training", "max_abs_error",

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
-from picotron.course.checks import Report, on_ranks
-from picotron.course.checks_memory import _refusing
+from picotron_course.checks import Report, on_ranks
+from picotron_course.checks_memory import _refusing
 from picotron.memory import (GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage,
                              optimizer_state, parameters_on_rank, state_bytes_on_rank, tensor_bytes)
 from picotron.planner import ClusterSpec, Plan, estimate_plan, search

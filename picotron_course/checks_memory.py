@@ -34,7 +34,7 @@ from torch import nn
 
 from picotron import tolerance
 from picotron.config import PRESETS, ModelConfig
-from picotron.course.checks import Report, one_thread
+from picotron_course.checks import Report, one_thread
 from picotron.model import DecoderLayer, Llama, Rotary, eager_attention
 from picotron.model import recompute as course_recompute
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from picotron import tolerance
 from picotron.config import ModelConfig
-from picotron.course.checks import (Report, close_enough, close_in_training, max_abs_error, mismatch, on_ranks,
+from picotron_course.checks import (Report, close_enough, close_in_training, max_abs_error, mismatch, on_ranks,
                                     one_thread, rank_tensor)
 from picotron.model import Llama, loss_fn
 

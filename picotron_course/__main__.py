@@ -1,10 +1,10 @@
 """Course tooling from the command line.
 
-    python -m picotron.course generate            # exercises/*.ipynb from solutions/*.ipynb
-    python -m picotron.course generate 03_zero    # only exercises/03_zero.ipynb
-    python -m picotron.course check               # exit 1 when exercises/ is out of date
-    python -m picotron.course strip NOTEBOOK...   # remove outputs (--check: only report, exit 1 if dirty)
-    python -m picotron.course grade NOTEBOOK      # run a learner's notebook, print the score table
+    python -m picotron_course generate            # exercises/*.ipynb from solutions/*.ipynb
+    python -m picotron_course generate 03_zero    # only exercises/03_zero.ipynb
+    python -m picotron_course check               # exit 1 when exercises/ is out of date
+    python -m picotron_course strip NOTEBOOK...   # remove outputs (--check: only report, exit 1 if dirty)
+    python -m picotron_course grade NOTEBOOK      # run a learner's notebook, print the score table
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from picotron.course import exercises
+from picotron_course import exercises
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m picotron.course", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m picotron_course", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (("generate", "write exercises/ from solutions/"),
                        ("check", "exit 1 when exercises/ is not what `generate` would write")):
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         problems = exercises.stale(args.root)
         if problems:
-            print("exercises/ is out of date; run `python -m picotron.course generate`:")
+            print("exercises/ is out of date; run `python -m picotron_course generate`:")
             print("\n".join(f"  {problem}" for problem in problems))
             return 1
         print("exercises/ is up to date")
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "strip":
         return _strip(args.notebooks, args.check)
     if args.command == "grade":
-        from picotron.course.grade import grade as run_grade, score_table  # imports nbclient: only here
+        from picotron_course.grade import grade as run_grade, score_table  # imports nbclient: only here
         results = run_grade(args.notebook, cell_timeout=args.cell_timeout)
         print(score_table(results, title=f"grading {args.notebook}"))
         return 0 if all(r.passed for r in results if r.check) else 1

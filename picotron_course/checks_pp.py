@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from picotron import tolerance
 from picotron.config import ModelConfig
-from picotron.course.checks import Report, close_in_training, max_abs_error, mismatch, on_ranks, one_thread
+from picotron_course.checks import Report, close_in_training, max_abs_error, mismatch, on_ranks, one_thread
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_afab_actions", "check_one_f_one_b_actions", "check_one_f_one_b_training", "show_timeline",
