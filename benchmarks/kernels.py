@@ -8,14 +8,14 @@ What it measures (chapter 09; the kernels are in picotron/kernels/):
 
     copy peak      the bandwidth of a device-to-device copy (torch's copy_ of 1 GiB, read + write): the
                    practical ceiling of a memory-bound kernel on this GPU, next to the spec sheet's
-    softmax        picotron.kernels.softmax (one read, one write per element) against torch.softmax:
+    softmax        row_softmax.softmax (one read, one write per element) against torch.softmax:
                    GB/s = 2 x bytes of x / time, and its fraction of the copy peak (goal: >= 85%)
-    RMSNorm        rms_norm forward (reads x and w, writes y and one fp32 per row) and backward (reads
-                   dy, x, w, rstd, writes dx), against picotron.model.RMSNorm in eager mode and
-                   torch.nn.functional.rms_norm; same goal
-    FlashAttention flash_attention forward (and backward), bf16, causal and not: TFLOP/s counted as
-                   FlashAttention's benchmarks do (4 b h s^2 d, halved when causal; backward 2.5x),
-                   against F.scaled_dot_product_attention (goal: forward >= 0.8x SDPA)
+    RMSNorm        TritonRMSNorm forward (rmsnorm_forward_v2: reads x and w, writes y and one fp32 per row)
+                   and rmsnorm_backward_v1 (reads dy, x, w, rstd, writes dx), against
+                   picotron.model.RMSNorm in eager mode and torch.nn.functional.rms_norm; same goal
+    FlashAttention attention_forward_v1 (and flash_attention's backward), bf16, causal and not:
+                   TFLOP/s counted as FlashAttention's benchmarks do (4 b h s^2 d, halved when causal;
+                   backward 2.5x), against F.scaled_dot_product_attention (goal: forward >= 0.8x SDPA)
 
 Every time is triton.testing.do_bench's median (CUDA events, L2 flushed before each call).
 
@@ -34,8 +34,8 @@ import platform
 import torch
 import torch.nn.functional as F
 
-import picotron.kernels as kernels
-from picotron.kernels import attention, gpu, rmsnorm, row_softmax
+from picotron.kernels import attention, gpu, rmsnorm, row_softmax, timing
+from picotron.kernels.runtime import INTERPRETED
 from picotron.model import RMSNorm
 
 GOAL_BANDWIDTH = 0.85      # of the measured copy peak
@@ -44,7 +44,7 @@ GOAL_ATTENTION = 0.8       # of SDPA's forward TFLOP/s
 
 # ---- measurements -------------------------------------------------------------------------------
 def ms(fn) -> float:
-    return kernels.bench(fn)
+    return timing.bench(fn)
 
 
 def copy_peak() -> dict:
@@ -60,9 +60,9 @@ def bench_softmax(shapes, dtypes, peak: float) -> list[dict]:
     for dtype in dtypes:
         for n_rows, n_cols in shapes:
             x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype)
-            torch.testing.assert_close(kernels.softmax(x), torch.softmax(x.float(), -1).to(dtype))
+            torch.testing.assert_close(row_softmax.softmax(x), torch.softmax(x.float(), -1).to(dtype))
             moved = row_softmax.softmax_bytes(n_rows, n_cols, x.element_size(), "fused")
-            ours, theirs = ms(lambda: kernels.softmax(x)), ms(lambda: torch.softmax(x, -1))
+            ours, theirs = ms(lambda: row_softmax.softmax(x)), ms(lambda: torch.softmax(x, -1))
             fits = triton_block(n_cols) <= row_softmax.MAX_FUSED_BLOCK
             rows.append({"shape": (n_rows, n_cols), "dtype": str(dtype).removeprefix("torch."),
                          "version": "v2 fused" if fits else "v3 online (reads x twice)",
@@ -77,7 +77,7 @@ def bench_rmsnorm(shapes, dtypes, peak: float) -> list[dict]:
         for n_rows, n_cols in shapes:
             x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype, requires_grad=True)
             norm = RMSNorm(n_cols, 1e-5).to(device="cuda", dtype=dtype)
-            triton_norm = kernels.TritonRMSNorm(n_cols, 1e-5).to(device="cuda", dtype=dtype)
+            triton_norm = rmsnorm.TritonRMSNorm(n_cols, 1e-5).to(device="cuda", dtype=dtype)
             w = triton_norm.weight
             forward = rmsnorm.rmsnorm_bytes(n_rows, n_cols, x.element_size())
             backward = rmsnorm.rmsnorm_bytes(n_rows, n_cols, x.element_size(), backward=True)
@@ -87,8 +87,8 @@ def bench_rmsnorm(shapes, dtypes, peak: float) -> list[dict]:
                 t_fn = ms(lambda: F.rms_norm(x, (n_cols,), w, 1e-5))
             y = triton_norm(x)
             dy = torch.randn_like(y)
-            _, rstd = rmsnorm.rms_norm_forward(x.detach(), w.detach(), 1e-5)
-            t_bwd = ms(lambda: rmsnorm.rms_norm_backward(dy, x.detach(), w.detach(), rstd))
+            _, rstd = rmsnorm.rmsnorm_forward_v2(x.detach(), w.detach(), 1e-5)
+            t_bwd = ms(lambda: rmsnorm.rmsnorm_backward_v1(dy, x.detach(), w.detach(), rstd))
             y_eager = norm(x)
             t_bwd_eager = ms(lambda: torch.autograd.grad(y_eager, (x, norm.weight), dy, retain_graph=True))
             rows.append({"shape": (n_rows, n_cols), "dtype": str(dtype).removeprefix("torch."),
@@ -106,12 +106,12 @@ def bench_attention(cases, backward: bool) -> list[dict]:
     for batch, heads, seq, head_dim, causal in cases:
         q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
-        out = kernels.flash_attention(q, k, v, causal=causal)
+        out = attention.flash_attention(q, k, v, causal=causal)
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
         flops = attention.attention_flops(batch, heads, seq, seq, head_dim, causal)
         with torch.no_grad():
-            t_ours = ms(lambda: attention.flash_attention_forward(q, k, v, causal))
+            t_ours = ms(lambda: attention.attention_forward_v1(q, k, v, causal))
             t_sdpa = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
         row = {"shape (b, h, s, d)": (batch, heads, seq, head_dim), "causal": causal,
                "fwd ms": t_ours, "fwd TFLOP/s": flops / t_ours / 1e9,
@@ -157,16 +157,16 @@ def smoke_test() -> dict:
     results = {}
     x = torch.randn(64, 300)
     cases = {
-        "softmax (64 x 300)": (lambda: kernels.softmax(x), lambda: torch.softmax(x, -1)),
-        "rms_norm (64 x 300)": (lambda: kernels.rms_norm(x, torch.ones(300), 1e-5),
+        "softmax (64 x 300)": (lambda: row_softmax.softmax(x), lambda: torch.softmax(x, -1)),
+        "rmsnorm (64 x 300)": (lambda: rmsnorm.rmsnorm(x, torch.ones(300), 1e-5),
                                 lambda: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)),
     }
     q, k, v = (torch.randn(1, 2, 128, 32) for _ in range(3))
-    cases["flash_attention fwd (1, 2, 128, 32)"] = (lambda: kernels.flash_attention(q, k, v),
+    cases["flash_attention fwd (1, 2, 128, 32)"] = (lambda: attention.flash_attention(q, k, v),
                                                     lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     for name, (ours, reference) in cases.items():
         torch.testing.assert_close(ours(), reference(), atol=1e-5, rtol=1e-5)
-        t = kernels.bench(ours, rep=3)
+        t = timing.bench(ours, rep=3)
         results[name] = {"interpreter ms": t, "matches torch": True}
         print(f"  {name:<36} matches torch; {t:8.1f} ms in the interpreter")
     return results
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version()}
     import triton
     meta["triton"] = triton.__version__
-    if kernels.INTERPRETED or not torch.cuda.is_available():
+    if INTERPRETED or not torch.cuda.is_available():
         results = {"meta": meta, "smoke": smoke_test()}
         if args.json:
             with open(args.json, "w") as f:
@@ -206,14 +206,14 @@ def main(argv: list[str] | None = None) -> dict:
                         for c in (True, False) for b in (max(1, 16384 // s),)])
 
     sm = bench_softmax(softmax_shapes, dtypes, peak["GB/s"])
-    print("softmax (picotron.kernels.softmax vs torch.softmax)")
+    print("softmax (picotron.kernels.row_softmax.softmax vs torch.softmax)")
     print(table(sm, ["shape", "dtype", "version", "ms", "GB/s", "of copy peak", "torch ms", "torch GB/s"]), "\n")
     rn = bench_rmsnorm(norm_shapes, dtypes, peak["GB/s"])
     print("RMSNorm (TritonRMSNorm vs picotron.model.RMSNorm eager and F.rms_norm)")
     print(table(rn, ["shape", "dtype", "fwd ms", "fwd GB/s", "fwd of copy peak", "eager fwd ms", "F.rms_norm fwd ms",
                      "bwd ms", "bwd GB/s", "bwd of copy peak", "eager bwd ms"]), "\n")
     fa = bench_attention(attention_cases, backward=not args.no_backward)
-    print("FlashAttention, bf16 (flash_attention vs F.scaled_dot_product_attention)")
+    print("FlashAttention, bf16 (attention_forward_v1, flash_attention's backward, vs F.scaled_dot_product_attention)")
     print(table(fa, ["shape (b, h, s, d)", "causal", "fwd ms", "fwd TFLOP/s", "SDPA fwd TFLOP/s", "fwd vs SDPA",
                      "bwd TFLOP/s", "SDPA bwd TFLOP/s", "bwd vs SDPA"]), "\n")
 

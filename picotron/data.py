@@ -36,7 +36,6 @@ from typing import Callable
 import torch
 
 from picotron.config import TrainConfig
-from picotron.parallel.context_parallel import cp_positions
 
 ARITHMETIC_LINES = 100_000    # ~1.1 MB, ~17k windows of 64 bytes, generated in ~0.3 s
 
@@ -202,6 +201,30 @@ class TokenDataset:
             raise IndexError(f"window {i} out of range for a dataset of {len(self)} windows")
         window = self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1].long()
         return window[:-1], window[1:]
+
+
+# ---- who holds which tokens under context parallelism (chapters/05_context_parallel.ipynb) ----
+
+def cp_chunks(cp_rank: int, cp_size: int, zigzag: bool = False) -> list[int]:
+    """The chunks of the sequence a cp rank holds, in order: of cp chunks, or of 2 cp under zig-zag.
+
+    Zig-zag pairs an early chunk with a late one: rank r holds r and 2cp-1-r, so every rank's
+    queries see about as many earlier keys as any other's.
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
+    return [cp_rank, 2 * cp_size - 1 - cp_rank] if zigzag else [cp_rank]
+
+
+def cp_positions(seq_len: int, cp_rank: int, cp_size: int, zigzag: bool = False) -> torch.Tensor:
+    """Positions (indices into the sequence) a cp rank holds, (seq_len / cp_size,) long."""
+    num_chunks = 2 * cp_size if zigzag else cp_size
+    if seq_len % num_chunks:
+        layout = f"zig-zag cuts it into 2*cp_size = {num_chunks} chunks" if zigzag else "each rank takes 1/cp_size"
+        raise ValueError(f"cp_size={cp_size} does not divide seq_len={seq_len} evenly ({layout}); "
+                         f"pick a seq_len that is a multiple of {num_chunks}")
+    width = seq_len // num_chunks
+    return torch.cat([torch.arange(c * width, (c + 1) * width) for c in cp_chunks(cp_rank, cp_size, zigzag)])
 
 
 @dataclass

@@ -40,7 +40,7 @@ of the technique files are reused rather than rewritten:
     tp (+SP)   every Linear and the vocabulary / tp; norms replicated (chapter 04); activations:
                tensor_parallel_costs.tp_activation_bytes_per_layer
     cp         nothing of the state; activations on s/cp tokens (chapter 05):
-               context_parallel.cp_activation_bytes_per_layer
+               context_parallel_costs.cp_activation_bytes_per_layer
     pp         the rank's stages only: its layers, the embedding on the first stage, the final
                norm and LM head on the last (a tied matrix has a copy on each); activations of a
                stage times the micro-batches in flight at the schedule's peak
@@ -77,13 +77,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, check_zero_stage, validate
+from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.parallel.zero import check_zero_stage
+from picotron.layout import validate
 from picotron.model import Llama, loss_fn
-from picotron.parallel.context_parallel import cp_activation_bytes_per_layer
+from picotron.parallel.context_parallel_costs import cp_activation_bytes_per_layer
 from picotron.parallel.pipeline_parallel import stage_layers
 from picotron.parallel.pipeline_schedules import make_schedule
 from picotron.parallel.tensor_parallel_costs import tp_activation_bytes_per_layer
-from picotron.train import flops_per_token
 
 GiB = 2**30
 
@@ -114,44 +115,6 @@ def num_param_tensors(config: ModelConfig) -> int:
     """Parameter tensors: 9 per dense layer (q, k, v, o, gate, up, down, two norms), 7 + 3E per MoE
     layer (a router and E experts instead of one MLP), embedding, final norm, head (when untied)."""
     return parameters_on_rank(config, ParallelConfig()).tensors
-
-
-def activation_bytes_per_layer(config: ModelConfig, batch: int, seq: int, *, dtype_bytes: int = 4) -> int:
-    """Bytes one decoder layer saves for backward, for config.attention and config.recompute."""
-    a, tokens = dtype_bytes, batch * seq
-    q_width = config.num_attention_heads * config.head_dim                 # n_q d
-    kv_width = config.num_key_value_heads * config.head_dim                # n_kv d
-    if config.recompute == "full":
-        return a * tokens * config.hidden_size                              # the layer input, kept by the checkpoint
-    norms = 2 * rms_norm_bytes(tokens, config.hidden_size, a)
-    attention = a * tokens * (2 * q_width + 2 * kv_width)                  # q, k (after RoPE), v, output
-    mlp = 4 * a * tokens * config.intermediate_size                        # gate, silu(gate), up, product
-    if config.recompute == "none":
-        attention += attention_core_bytes(config, batch, seq, a)
-    return norms + attention + mlp
-
-
-def rms_norm_bytes(tokens: int, hidden: int, dtype_bytes: int) -> int:
-    """Input in fp32 (pow and mul save it), normalised x and the output (read by the next matmuls), 1/rms."""
-    return (4 + 2 * dtype_bytes) * tokens * hidden + 4 * tokens
-
-
-def attention_core_bytes(config: ModelConfig, batch: int, seq: int, dtype_bytes: int) -> int:
-    """What the core softmax(q k^T) v saves beyond its inputs and output: selective recomputation drops it."""
-    heads = config.num_attention_heads
-    if config.attention == "sdpa":
-        return 4 * batch * heads * seq                                     # fp32 log-sum-exp per query row
-    kv_copies = 2 * dtype_bytes * batch * seq * (heads - config.num_key_value_heads) * config.head_dim
-    return kv_copies + dtype_bytes * batch * heads * seq * seq             # (b, n_q, s, s) probabilities
-
-
-def activation_bytes(config: ModelConfig, batch: int, seq: int, *, dtype_bytes: int = 4) -> int:
-    """Activation bytes of the whole model for one micro-batch of (batch, seq) tokens."""
-    tokens = batch * seq
-    return (config.num_layers * activation_bytes_per_layer(config, batch, seq, dtype_bytes=dtype_bytes)
-            + rms_norm_bytes(tokens, config.hidden_size, dtype_bytes)     # final norm
-            + 4 * tokens * config.vocab_size                               # fp32 log-probabilities of the loss
-            + 2 * seq * config.head_dim * dtype_bytes)                     # RoPE cos/sin rows, shared by all layers
 
 
 @dataclass
@@ -218,7 +181,7 @@ def estimate_memory_per_stage(model_config: ModelConfig, train_config: TrainConf
 
 
 def check_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig) -> None:
-    """Raise for a layout picotron does not run: config.validate's rules (ValueError when impossible,
+    """Raise for a layout picotron does not run: layout.validate's rules (ValueError when impossible,
     NotImplementedError when a pairing is not written), so the formula describes picotron's memory."""
     check_zero_stage(parallel.zero_stage)
     # max_seq_len only sizes the RoPE tables (buffers, not counted): any sequence may be estimated.
@@ -437,27 +400,6 @@ def activation_bytes_on_rank(config: ModelConfig, train: TrainConfig, parallel: 
 @functools.lru_cache(maxsize=256)
 def _schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int):
     return make_schedule(name, pp, num_microbatches, virtual_stages)
-
-
-def recompute_flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    """Extra training FLOPs per token that config.recompute costs (hardware FLOPs minus model FLOPs).
-
-    One more forward of what is recomputed: the attention core is 2 matmuls of 2 s n_q d FLOPs per
-    token per layer; a whole layer adds 2 FLOPs per layer parameter per token on top of that.
-    """
-    core = 4 * config.num_layers * seq_len * config.num_attention_heads * config.head_dim
-    if config.recompute == "none":
-        return 0
-    if config.recompute == "selective":
-        return core
-    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    layer_params = config.num_active_params() - embeddings - config.hidden_size  # per token; not embedding, head, final norm
-    return 2 * layer_params + core
-
-
-def training_flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    """6N + 12 L h s (picotron.train.flops_per_token), plus what recomputation runs again."""
-    return flops_per_token(config, seq_len) + recompute_flops_per_token(config, seq_len)
 
 
 # ---- Measuring it -----------------------------------------------------------------------------

@@ -81,20 +81,66 @@ class Mesh:
                 mine = group
         return mine
 
-    # ---- shorthands ----------------------------------------------------------------------
-    def __getattr__(self, name: str):
-        # mesh.dp_rank, mesh.dp_size, mesh.dp_group, ... for each axis
-        axis, _, what = name.partition("_")
-        if axis in AXES and what in ("rank", "size", "group"):
-            if what == "rank":
-                return self.coords[axis]
-            if what == "size":
-                return self.sizes[axis]
-            return self.groups[axis]
-        raise AttributeError(name)
+    # ---- each axis's rank, size and group, spelled out so that grep and an editor find them ----------
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index along dp (data parallelism: replicas that average gradients)."""
+        return self.coords["dp"]
 
     @property
-    def dp_cp_group(self):
+    def dp_size(self) -> int:
+        return self.sizes["dp"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The ranks that differ from this one only along dp."""
+        return self.groups["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's index along pp (pipeline parallelism: stages of the layers)."""
+        return self.coords["pp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self.sizes["pp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The ranks that differ from this one only along pp."""
+        return self.groups["pp"]
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index along cp (context parallelism: slices of every sequence)."""
+        return self.coords["cp"]
+
+    @property
+    def cp_size(self) -> int:
+        return self.sizes["cp"]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The ranks that differ from this one only along cp."""
+        return self.groups["cp"]
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index along tp (tensor parallelism: slices of every matrix)."""
+        return self.coords["tp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.sizes["tp"]
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        """The ranks that differ from this one only along tp."""
+        return self.groups["tp"]
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """The ranks that differ from this one along dp or cp: they hold the same weights (gradients average here)."""
         return self.groups["dp_cp"]
 
     @property

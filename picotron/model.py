@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from picotron.config import ModelConfig, check_model_choices
+from picotron.fp8 import convert_to_float8
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +65,8 @@ class RMSNorm(nn.Module):
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
     """The RMSNorm of config.norm_impl: torch ops, or the Triton kernels of chapter 09 (same weight and eps)."""
     if config.norm_impl == "triton":
-        from picotron.kernels import TritonRMSNorm   # imports triton: only when asked for
+        # A late import keeps triton out of every process that does not ask for it (and makes no cycle).
+        from picotron.kernels.rmsnorm import TritonRMSNorm
         return TritonRMSNorm(dim, config.rms_norm_eps)
     return RMSNorm(dim, config.rms_norm_eps)
 
@@ -408,7 +410,6 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_weights()   # also ties lm_head.weight to embed.weight when configured
         if config.fp8 != "none":   # chapter 10: the Linears' matmuls in fp8 (same parameters, same names)
-            from picotron.fp8 import convert_to_float8
             convert_to_float8(self, config.fp8)
 
     @torch.no_grad()
@@ -434,7 +435,7 @@ class Llama(nn.Module):
             if isinstance(module, nn.Linear):
                 writes_residual = name.endswith(("o_proj", "down_proj"))
                 nn.init.normal_(module.weight, std=residual_std if writes_residual else std)
-            elif isinstance(module, RMSNorm):
+            elif name.endswith(("attn_norm", "mlp_norm")):   # make_norm's, torch or Triton
                 nn.init.ones_(module.weight)
         nn.init.ones_(self.norm.weight)
         self.rope.reset_tables()

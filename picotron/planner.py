@@ -8,11 +8,11 @@ the formulas the chapters before measured, and one assumed number, the kernels' 
 (ASSUMED_MFU, below); `predict_published` puts the result next to published throughputs:
 
     memory per GPU   picotron.memory.estimate_memory: the most loaded pipeline rank (chapters 01-07)
-    compute          FLOPs per token (memory.training_flops_per_token: 6N + 12 L h s, plus what
+    compute          FLOPs per token (costs.training_flops_per_token: 6N + 12 L h s, plus what
                      recomputation runs again) at `assumed_mfu` of the GPU's peak
     tp (+SP)         tensor_parallel_costs.tp_comm_bytes_per_layer: 8 (t-1)/t b s h a per layer and
                      micro-batch, on the critical path of every layer (chapter 04)
-    cp               context_parallel.cp_comm_bytes_per_layer: the ring's K,V blocks, hidden behind
+    cp               context_parallel_costs.cp_comm_bytes_per_layer: the ring's K,V blocks, hidden behind
                      the attention blocks they feed when computing a block takes longer (chapter 05);
                      Ulysses' all-to-alls are exposed
     ep               expert_parallel.ep_comm_bytes: 4 T k h a per MoE layer, (ep-1)/ep of it on the
@@ -40,13 +40,14 @@ Assumptions, each one a place where the estimate can be wrong:
 4. Work is balanced: every dp, cp and ep rank gets the same tokens and the routing is uniform; the
    pipeline stage with the most layers sets the pace; the optimizer step, data loading and kernel
    launches take no time.
-5. FLOPs per token follow DESIGN.md (6N + 12 L h s, MFU without recomputation); the embedding
-   lookup is priced like a matmul, as the convention counts it.
+5. FLOPs per token follow docs/design.md, "FLOPs, peaks and MFU" (6N + 12 L h s, MFU without
+   recomputation: picotron.costs); the embedding lookup is priced like a matmul, as the convention
+   counts it.
 6. A layout fits when the most loaded rank's estimate_memory total is at most (1 - reserve) of the
    GPU's memory: the reserve stands for what the formula leaves out (CUDA context, NCCL buffers,
    allocator fragmentation, the logits' gradient and other temporaries).
 
-Layouts picotron refuses are refused here too, with config.validate's messages: ValueError for
+Layouts picotron refuses are refused here too, with layout.validate's messages: ValueError for
 impossible ones (ZeRO-3 with pipeline parallelism among them: it would gather every stage's weights
 for each micro-batch), NotImplementedError for pairings the trainer does not run yet.
 """
@@ -60,14 +61,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from picotron.config import ModelConfig, ParallelConfig, TrainConfig
-from picotron.memory import GiB, MemoryBreakdown, estimate_memory, parameters_on_rank, training_flops_per_token
-from picotron.parallel.context_parallel import cp_comm_bytes_per_layer
+from picotron.costs import flops_per_token, training_flops_per_token
+from picotron.memory import GiB, MemoryBreakdown, estimate_memory, parameters_on_rank
+from picotron.parallel.context_parallel_costs import cp_comm_bytes_per_layer
 from picotron.parallel.expert_parallel import ep_comm_bytes
 from picotron.parallel.pipeline_parallel import stage_layers
 from picotron.parallel.pipeline_schedules import bubble_formula, make_schedule, simulate
 from picotron.parallel.tensor_parallel_costs import tp_comm_bytes_per_layer
 from picotron.parallel.zero import ring_bytes, zero_comm_bytes
-from picotron.train import flops_per_token
 
 __all__ = ["ASSUMED_MFU", "ClusterSpec", "Plan", "PlanEstimate", "SearchResult", "estimate_plan", "search",
            "group_link", "describe", "divisors", "PublishedRun", "PUBLISHED_RUNS", "predict_published", "LLAMA3_8B",
@@ -89,7 +90,8 @@ class ClusterSpec:
 
     Defaults: an H100 SXM node of 8 GPUs on NVLink 4 (450 GB/s per direction on paper; NCCL's
     all-reduce reaches about 360 GB/s of bus bandwidth) and one 400 Gb/s NIC per GPU between nodes
-    (50 GB/s; about 45 GB/s reached). Peak: the dense bf16 spec-sheet figure (DESIGN.md).
+    (50 GB/s; about 45 GB/s reached). Peak: the dense bf16 spec-sheet figure
+    (docs/design.md, "FLOPs, peaks and MFU").
     """
 
     num_gpus: int

@@ -38,7 +38,7 @@ into 2 stages that run the step's --grad-accum-steps micro-batches in the order 
 mixture-of-experts model (--preset tiny-moe), --ep 4 splits the experts over groups of 4 dp
 ranks, tokens travelling to their experts by all-to-all, while --tp splits the attention
 (chapter 07). The combinations that do not go together are refused by
-picotron.config.check_combination, with the reason and the fix.
+picotron.layout.check_combination, with the reason and the fix.
 
 Bad input stops the command before any rank starts, with one line naming the problem and the
 fix and no traceback (exit status 2, as argparse's own errors): a value of the wrong type or
@@ -59,61 +59,29 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from picotron import checkpoint, comm, launch
-from picotron.config import (CP_MODES, FP8_RECIPES, PP_SCHEDULES, PRESETS, Config, ModelConfig, ParallelConfig,
-                             TrainConfig, validate)
+from picotron.config import FP8_RECIPES, PRESETS, Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.costs import flops_per_token, peak_flops
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
+from picotron.layout import validate
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel import context_parallel as cp
+from picotron.parallel.context_parallel import CP_MODES
 from picotron.parallel import expert_parallel as ep
+from picotron.parallel import grad_norm
 from picotron.parallel import pipeline_parallel as pp
 from picotron.parallel import tensor_parallel as tp
 from picotron.parallel.data_parallel import DataParallel, all_reduce_gradients
+from picotron.parallel.pipeline_schedules import SCHEDULES, make_schedule
 from picotron.parallel.zero import ZeroOptimizer
 from picotron.parallel.zero3 import Zero3
-
-# Dense bf16 tensor-core peaks from the vendors' spec sheets (without sparsity), FLOP/s.
-GPU_PEAK_FLOPS = {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
-                  "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "RTX 4090": 165e12}
-
-
-def flops_per_token(model: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the weights, 12 L h s for attention (no recomputation).
-
-    N counts the parameters a token computes with: for an MoE model only its experts_per_token
-    experts (ModelConfig.num_active_params), so MFU is not inflated by idle experts.
-    """
-    return 6 * model.num_active_params() + 12 * model.num_layers * model.hidden_size * seq_len
-
-
-def peak_flops(device: torch.device) -> tuple[float, str]:
-    """(peak FLOP/s, where the figure comes from) for this rank's device."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS.items():  # most specific names first
-            if key in name:
-                return value, f"{key} spec-sheet dense bf16"
-        return measured_matmul_flops(device, torch.bfloat16), f"{name}: measured bf16 matmul"
-    return measured_matmul_flops(device, torch.float32), "measured CPU fp32 matmul"
-
-
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 512, repeats: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 def lr_at(step: int, config) -> float:
@@ -135,6 +103,19 @@ class StepResult:
     sample_ids: list = field(default_factory=list)  # windows this rank trained on (for tests)
 
 
+@dataclass
+class GradientSync:
+    """How the trainer averages gradients over the replicas: one object, chosen once by the Trainer.
+
+    `finish()` runs after the step's last backward; `accumulating()` wraps each earlier backward of
+    a step with gradient accumulation (only bucketed data parallelism, whose all-reduces overlap
+    backward, has to hold them back there).
+    """
+
+    finish: Callable[[], None] = lambda: None
+    accumulating: Callable[[], ContextManager] = nullcontext
+
+
 class Trainer:
     """One model replica and its optimizer; `mesh=None` trains in a single process.
 
@@ -146,54 +127,69 @@ class Trainer:
 
     def __init__(self, config: Config, mesh: Mesh | None = None):
         validate(config, mesh.world_size if mesh else 1)
-        p, t = config.parallel, config.train
         self.config, self.mesh = config, mesh
-        # Building the model may communicate (weights broadcast to the replicas): counted into the mesh's counter.
-        with self.counting():
-            self.device = launch.device()
-            torch.manual_seed(t.seed)
-            self.model = Llama(config.model).to(self.device)
-            self.loss_fn = loss_fn
-            if mesh and p.tp > 1:  # chapter 04: each tp rank keeps its slice of every matrix and of the vocabulary
-                tp.apply_tensor_parallel(self.model, mesh, sequence_parallel=p.sequence_parallel)
-                self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=mesh.tp_group)
-            if mesh and p.cp > 1:  # chapter 05: each cp rank holds a slice of every sequence; attention gathers the rest
-                cp.apply_context_parallel(self.model, mesh, mode=p.cp_mode)
-            self.ep_groups = None
-            if mesh and p.ep > 1:  # chapter 07: each rank of an ep group keeps num_experts/ep experts; tokens travel
-                self.ep_groups = ep.expert_parallel_groups(mesh, p.ep)
-                ep.apply_expert_parallel(self.model, self.ep_groups)
-            self.stages = None
-            trained: torch.nn.Module = self.model          # what this rank trains: the whole model, or its stages
-            if mesh and p.pp > 1:  # chapter 06: this rank runs its stages' layers; the step's micro-batches flow through
-                self.stages = pp.build_stages(self.model, mesh.pp_rank, mesh.pp_size, virtual_stages=p.pp_virtual_stages)
-                self.schedule = pp.make_schedule(p.pp_schedule, mesh.pp_size, t.grad_accum_steps, p.pp_virtual_stages)
-                trained = torch.nn.ModuleList(self.stages)
-            self.trained = trained
+        with self.counting():   # building may communicate (ZeRO and DataParallel broadcast rank 0's weights)
+            self._build()
 
-            def make_optimizer(params):
-                return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    def _build(self) -> None:
+        """The model, split over this rank's axes in one order, its optimizer and the gradients' sync."""
+        config, mesh = self.config, self.mesh
+        p, t = config.parallel, config.train
+        self.device = launch.device()
+        torch.manual_seed(t.seed)
+        self.model = Llama(config.model).to(self.device)
+        self.loss_fn = loss_fn
+        if mesh and p.tp > 1:  # chapter 04: each tp rank keeps its slice of every matrix and of the vocabulary
+            tp.apply_tensor_parallel(self.model, mesh, sequence_parallel=p.sequence_parallel)
+            self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=mesh.tp_group)
+        if mesh and p.cp > 1:  # chapter 05: each cp rank holds a slice of every sequence; attention gathers the rest
+            cp.apply_context_parallel(self.model, mesh, mode=p.cp_mode)
+        self.ep_groups = None
+        if mesh and p.ep > 1:  # chapter 07: each rank of an ep group keeps num_experts/ep experts; tokens travel
+            self.ep_groups = ep.expert_parallel_groups(mesh, p.ep)
+            ep.apply_expert_parallel(self.model, self.ep_groups)
+        self.stages = None
+        trained: torch.nn.Module = self.model          # what this rank trains: the whole model, or its stages
+        if mesh and p.pp > 1:  # chapter 06: this rank runs its stages' layers; the step's micro-batches flow through
+            self.stages = pp.build_stages(self.model, mesh.pp_rank, mesh.pp_size, virtual_stages=p.pp_virtual_stages)
+            self.schedule = make_schedule(p.pp_schedule, mesh.pp_size, t.grad_accum_steps, p.pp_virtual_stages)
+            trained = torch.nn.ModuleList(self.stages)
+        self.trained = trained
 
-            # The replicas are the dp x cp ranks: cp ranks hold the same weights and saw different tokens of the
-            # same sequences, so the mean of their gradients is the gradient of the loss over whole sequences.
-            # ZeRO and DataParallel broadcast rank 0's weights so that the replicas start identical (they are
-            # already: every rank built the model from the same seed).
-            self.dp = self.zero = None
-            replicas = mesh.dp_cp_group if mesh else None
-            if mesh and p.zero_stage == 3:      # chapter 03: parameters gathered unit by unit, prefetched
-                self.zero = Zero3(self.model, replicas, optimizer=make_optimizer)
-            elif mesh and p.zero_stage:         # chapter 03: this rank's shard of the optimizer state (and gradients)
-                self.zero = ZeroOptimizer(trained, replicas, stage=p.zero_stage, optimizer=make_optimizer,
-                                          bucket_mb=t.bucket_mb)
-            elif mesh and not self.ep_groups and not self.stages:
-                # chapter 02: bucketed gradient all-reduces, overlapped with backward. With ep, train_step averages
-                # the gradients itself (each expert over the ranks holding it, chapter 07); with pp, after the
-                # schedule's last backward.
-                self.dp = DataParallel(self.model, replicas, bucket_mb=t.bucket_mb)
-            # The ZeRO object steps its shards with an AdamW of its own, and has the same methods.
-            self.optimizer = self.zero or make_optimizer(trained.parameters())
-            self.loader = make_loader(t, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
-                                      cp_rank=mesh.cp_rank if mesh else 0, cp_size=p.cp, zigzag=p.cp_mode == "zigzag")
+        def make_optimizer(params):
+            return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+
+        # The replicas are the dp x cp ranks: cp ranks hold the same weights and saw different tokens of the
+        # same sequences, so the mean of their gradients is the gradient of the loss over whole sequences.
+        # ZeRO and DataParallel broadcast rank 0's weights so that the replicas start identical (they are
+        # already: every rank built the model from the same seed). _gradient_sync says how they average.
+        self.dp = self.zero = None
+        replicas = mesh.dp_cp_group if mesh else None
+        if mesh and p.zero_stage == 3:      # chapter 03: parameters gathered unit by unit, prefetched
+            self.zero = Zero3(self.model, replicas, optimizer=make_optimizer)
+        elif mesh and p.zero_stage:         # chapter 03: this rank's shard of the optimizer state (and gradients)
+            self.zero = ZeroOptimizer(trained, replicas, stage=p.zero_stage, optimizer=make_optimizer,
+                                      bucket_mb=t.bucket_mb)
+        elif mesh and not self.ep_groups and not self.stages:   # chapter 02: bucketed, overlapped all-reduces
+            self.dp = DataParallel(self.model, replicas, bucket_mb=t.bucket_mb)
+        # The ZeRO object steps its shards with an AdamW of its own, and has the same methods.
+        self.optimizer = self.zero or make_optimizer(trained.parameters())
+        self.grad_sync = self._gradient_sync()
+        self.loader = make_loader(t, dp_rank=mesh.dp_rank if mesh else 0, dp_size=p.dp,
+                                  cp_rank=mesh.cp_rank if mesh else 0, cp_size=p.cp, zigzag=p.cp_mode == "zigzag")
+
+    def _gradient_sync(self) -> GradientSync:
+        """How this rank's gradients become the mean over their replicas: decided here, once."""
+        mesh = self.mesh
+        if self.zero:           # ZeRO-1 all-reduces in finish, ZeRO-2/3 reduce-scatter each micro-batch's gradient
+            return GradientSync(self.zero.finish_gradient_sync)
+        if self.dp:             # bucketed all-reduces overlapped with the last backward; held back while accumulating
+            return GradientSync(self.dp.finish_gradient_sync, accumulating=self.dp.no_sync)
+        if self.ep_groups:      # each expert over the ranks holding it, the rest over dp x cp (chapter 07)
+            return GradientSync(functools.partial(ep.average_gradients, self.model, self.ep_groups))
+        if self.stages and mesh.dp_size * mesh.cp_size > 1:   # after the schedule's last backward (chapter 06)
+            return GradientSync(functools.partial(all_reduce_gradients, self.trained, mesh.dp_cp_group))
+        return GradientSync()   # one process, or no replicas
 
     def counting(self):
         """Count the collectives of the block into `mesh.counter` (picotron.comm.counting); one process: none."""
@@ -216,10 +212,7 @@ class Trainer:
                                  activation_shape=(t.micro_batch_size, seq, self.config.model.hidden_size),
                                  position_ids=[b.position_ids for b in batches])
         pp.sync_tied_embeddings(self.stages, mesh)
-        if self.zero:
-            self.zero.finish_gradient_sync()
-        elif mesh.dp_size * mesh.cp_size > 1:
-            all_reduce_gradients(self.trained, mesh.dp_cp_group)
+        self.grad_sync.finish()
         # Only the last stage's rank knows the loss: a sum over the pp group with zeros elsewhere
         # shares it (for the log only: not counted); the dp x cp mean follows in train_step.
         loss = result.loss.detach().clone() if result.loss is not None else torch.zeros((), device=self.device)
@@ -255,9 +248,7 @@ class Trainer:
         for micro_step in range(t.grad_accum_steps):
             batch = self.loader.get_batch(step, micro_step).to(self.device)
             last = micro_step == t.grad_accum_steps - 1
-            # DataParallel syncs once, in the last backward; ZeRO-1 communicates in step(), ZeRO-2/3 reduce-scatter
-            # every micro-batch into their gradient shard (they keep no whole gradient to accumulate into).
-            with self.dp.no_sync() if self.dp and not last else nullcontext():
+            with self.grad_sync.accumulating() if not last else nullcontext():
                 logits = self.model(batch.input_ids, batch.position_ids)   # (batch, seq / cp, vocab / tp)
                 loss = self.loss_fn(logits, batch.targets) / t.grad_accum_steps
                 # An MoE model adds its load-balancing loss (0 for a dense one), computed on this rank's tokens
@@ -265,33 +256,16 @@ class Trainer:
                 (loss + self.model.aux_loss() / t.grad_accum_steps).backward()
             local_loss += loss.detach()
             sample_ids += batch.sample_ids.tolist()
-        if self.ep_groups:     # once, after the last micro-batch: experts over their replicas, the rest over dp x cp
-            ep.average_gradients(self.model, self.ep_groups)
-        elif self.dp or self.zero:
-            (self.dp or self.zero).finish_gradient_sync()
+        self.grad_sync.finish()   # once, after the last micro-batch
         return local_loss, sample_ids
 
     # ---- the gradient norm over the whole mesh ---------------------------------------------------------
     def _counted_here(self, param: torch.nn.Parameter) -> bool:
-        """Whether this rank counts `param`'s gradient in the global norm (ZeRO: its part in this shard).
-
-        ||g||^2 is a sum over the elements of the whole model's gradient, and each must be counted
-        exactly once in the world. A tp shard (tp_shard_dim) is distinct on every tp rank, a weight
-        without one (the norms, an MoE block) is the same on all of them: tp rank 0 counts it. The
-        last pp stage's copy of a tied embedding is the first stage's matrix again: not counted. After
-        the averaging, the dp x cp replicas hold the same gradients: their first counts them; only
-        ZeRO's shards differ between them. An expert's replicas are the ranks holding that expert.
-        """
-        mesh = self.mesh
-        if mesh.tp_rank != 0 and not hasattr(param, "tp_shard_dim"):
-            return False
+        """Whether this rank counts `param`'s gradient in the global norm (grad_norm.counted_here), except
+        the last pp stage's copy of a tied embedding: it is the first stage's matrix again."""
         if id(param) in self._tied_copies:
             return False
-        if self.zero:
-            return True
-        if getattr(param, "expert_parallel", False):   # replicas: same dp % ep, any cp and dp // ep
-            return mesh.cp_rank == 0 and mesh.dp_rank < self.config.parallel.ep
-        return mesh.dp_rank == 0 and mesh.cp_rank == 0
+        return grad_norm.counted_here(param, self.mesh, sharded_over_dp=self.zero is not None, ep=self.config.parallel.ep)
 
     @functools.cached_property
     def _tied_copies(self) -> set[int]:
@@ -309,21 +283,9 @@ class Trainer:
         """
         if self.mesh is None:
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if self.zero:
-            squares = self.zero.gradient_squares(self._counted_here)
-        else:
-            grads = [q.grad for q in self.trained.parameters() if q.grad is not None and self._counted_here(q)]
-            squares = sum((g.float().square().sum() for g in grads), torch.zeros((), device=self.device))
-        comm.all_reduce(squares)
-        norm = squares.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)      # torch's rule: never scale up
-        if self.zero:
-            self.zero.scale_gradients(scale)
-        else:
-            for q in self.trained.parameters():
-                if q.grad is not None:
-                    q.grad.mul_(scale.to(q.grad.dtype))
-        return norm
+        if self.zero:                       # the gradient is in ZeRO's flat shards, not in .grad
+            return self.zero.clip_grad_norm_(max_norm, counted=self._counted_here, group=dist.group.WORLD)
+        return grad_norm.clip_grad_norm_(self.trained.parameters(), max_norm, counted=self._counted_here)
 
     def _optimizer_step(self, step: int, loss, grad_norm, sample_ids: list, start: float) -> StepResult:
         lr = lr_at(step, self.config)
@@ -487,7 +449,7 @@ def parse_args(argv: list[str] | None) -> Config:
                              "(balanced causal work; the default) or Ulysses all-to-alls over the heads")
     parser.add_argument("--ep", type=int, help="expert parallelism for an MoE model (chapter 07): groups of ep "
                                                "dp ranks split the experts (e.g. --preset tiny-moe --ep 4)")
-    parser.add_argument("--pp-schedule", dest="pp_schedule", choices=list(PP_SCHEDULES),
+    parser.add_argument("--pp-schedule", dest="pp_schedule", choices=list(SCHEDULES),
                         help="with --pp (chapter 06): the order the stages run the step's --grad-accum-steps "
                              "micro-batches in (default 1f1b)")
     parser.add_argument("--virtual-stages", dest="pp_virtual_stages", type=int,

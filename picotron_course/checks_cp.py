@@ -75,6 +75,8 @@ FP32 = torch.float32
 ROUNDINGS = HEAD_DIM + 2 * max(SEQ.values()) + max(CP_SIZES)
 PACKAGE = "picotron.parallel.context_parallel"
 BLOCKS = "picotron.parallel.online_softmax"     # its one-device building blocks: the course's answer too
+LAYOUT = "picotron.data"                        # where the course's answer to the layout lives (the loader uses it)
+LAYOUT_NAMES = ("cp_chunks", "cp_positions")
 INF = math.inf
 
 
@@ -226,7 +228,7 @@ def _show_list(values: list) -> str:
 def _not_the_course_answer(what: str, *functions) -> None:
     for fn in functions:
         module = str(getattr(fn, "__module__", ""))
-        if module.startswith((PACKAGE, BLOCKS)):
+        if module.startswith((PACKAGE, BLOCKS)) or (module == LAYOUT and getattr(fn, "__name__", "") in LAYOUT_NAMES):
             raise AssertionError(f"{what}: {getattr(fn, '__name__', fn)} comes from {module}, the course's answer; "
                                  "write your own")
 
@@ -237,20 +239,23 @@ def _course_answer_refused(what: str) -> Iterator[None]:
     here only to be refused: a learner's import inside the call would otherwise find it unpatched)."""
     course = importlib.import_module(PACKAGE)
     blocks = importlib.import_module(BLOCKS)
+    layout = importlib.import_module(LAYOUT)
 
-    def refuse(name: str) -> Callable:
+    def refuse(module, name: str) -> Callable:
         def call(*args, **kwargs):
-            raise AssertionError(f"{what} called {PACKAGE}.{name}, the course's answer; write your own")
+            raise AssertionError(f"{what} called {module.__name__}.{name}, the course's answer; write your own")
         return call
 
     names = ("ring_attention", "attention_block", "merge_blocks", "online_softmax_attention", "ulysses_attention",
-             "cp_chunks", "cp_positions", "split_sequence")
-    patches = [(module, name, refuse(name)) for name in names for module in (course, blocks) if hasattr(module, name)]
+             *LAYOUT_NAMES, "take_cp_tokens")
+    patches = [(module, name, refuse(module, name)) for name in names for module in (course, blocks)
+               if hasattr(module, name)]
+    patches += [(layout, name, refuse(layout, name)) for name in LAYOUT_NAMES]
     ring = getattr(course, "RingAttention", None)          # reached through a reference imported earlier
     forward = ring.__dict__["forward"] if ring is not None else None
     try:
         if ring is not None:
-            ring.forward = staticmethod(refuse("RingAttention"))
+            ring.forward = staticmethod(refuse(course, "RingAttention"))
         with patched(patches):
             yield
     finally:

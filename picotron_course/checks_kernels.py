@@ -3,7 +3,8 @@
 Each check launches the learner's @triton.jit kernel itself, one program per row, on inputs chosen
 to catch the usual slips, and compares with plain torch math done here in float64 (never with
 picotron.kernels, the code the assignment rebuilds). Without a GPU the kernel runs in the Triton
-interpreter (picotron.kernels sets it up); on a GPU it compiles.
+interpreter (picotron.kernels.runtime sets it up); on a GPU it compiles. Chapter: chapters/09_gpu_kernels.ipynb;
+the assignment: solutions/09_gpu_kernels.ipynb.
 
     check_softmax_kernel(softmax_kernel)
         softmax_kernel[(rows,)](x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK=BLOCK)
@@ -29,7 +30,7 @@ import torch
 
 from picotron import tolerance
 from picotron_course.checks import Report, max_abs_error, mismatch
-from picotron.kernels import INTERPRETED, kernel_device   # decides interpreter vs compiler, before any kernel
+from picotron.kernels.runtime import INTERPRETED, kernel_device   # decides interpreter vs compiler, before any kernel
 
 __all__ = ["check_softmax_kernel", "check_rmsnorm_kernel", "SOFTMAX_CASES", "RMSNORM_CASES", "launch"]
 
@@ -86,7 +87,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 
 
 def _runnable(kernel):
-    """The kernel as this process can run it. A kernel decorated before picotron.kernels chose the
+    """The kernel as this process can run it. A kernel decorated before picotron.kernels.runtime chose the
     interpreter was made for the compiler: rewrap it for the interpreter."""
     if not hasattr(kernel, "__getitem__") or not hasattr(kernel, "fn"):
         raise AssertionError(f"expected a @triton.jit kernel, got {type(kernel).__name__}: decorate your function "

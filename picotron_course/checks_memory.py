@@ -114,6 +114,7 @@ def _layer_and_input(config: ModelConfig, batch: int, seq: int, dtype: torch.dty
 
 # The code the assignment rebuilds: a learner's answer must not call it.
 MEMORY_FILE = importlib.util.find_spec("picotron.memory").origin
+COSTS_FILE = importlib.util.find_spec("picotron.costs").origin      # the one-process formulas memory builds on
 CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 
@@ -265,7 +266,8 @@ def check_activation_bytes(activation_bytes_per_layer: Callable) -> None:
                 measured = measure_layer(config, batch, seq, dtype)
                 a = torch.tensor([], dtype=dtype).element_size()
                 with _refusing("activation_bytes_per_layer",
-                               {MEMORY_FILE: "picotron.memory", DecoderLayer.forward.__code__:
+                               {MEMORY_FILE: "picotron.memory", COSTS_FILE: "picotron.costs",
+                                DecoderLayer.forward.__code__:
                                 "a DecoderLayer (the formula must come from the shape; the check measures)"}):
                     got = activation_bytes_per_layer(dataclasses.replace(config), batch, seq, dtype_bytes=a)
                 ok = isinstance(got, int) and got == measured

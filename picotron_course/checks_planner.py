@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
+from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.layout import validate
 from picotron_course.checks import Report, on_ranks
 from picotron_course.checks_memory import _refusing
 from picotron.memory import (GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage,
@@ -64,7 +65,7 @@ def plan_of(layout: Layout, precision: str = "bf16-mixed") -> Plan:
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
-    """Whether picotron runs this layout: sizes divide (config.validate), the batch splits, the pairing is allowed."""
+    """Whether picotron runs this layout: sizes divide (layout.validate), the batch splits, the pairing is allowed."""
     if global_batch % (layout.dp * layout.micro_batch_size):
         return False
     m = global_batch // (layout.dp * layout.micro_batch_size)

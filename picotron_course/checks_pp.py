@@ -4,7 +4,7 @@ The learner writes `afab_actions(rank, pp, m)` and `one_f_one_b_actions(rank, pp
 which pp rank `rank` runs the forward ("F") and backward ("B") of m micro-batches on its stage, as
 `Action(op, microbatch, stage)` items. The checks call them here, in the parent, for every rank of
 several (pp, m), and judge the lists with their own arithmetic: nothing here calls a schedule of
-picotron.parallel.pipeline_parallel, and a learner's function that does is refused.
+picotron.parallel.pipeline_schedules, and a learner's function that does is refused.
 
     check_afab_actions(afab_actions)            complete, right stages, no deadlock; every forward before the
                                                 first backward (peak m); bubble (p-1)/(m+p-1), exactly
@@ -45,7 +45,7 @@ from picotron.model import Llama, loss_fn
 __all__ = ["check_afab_actions", "check_one_f_one_b_actions", "check_one_f_one_b_training", "show_timeline",
            "STRUCTURE_CASES", "TRAIN_CASES", "WORLD"]
 
-PACKAGE = "picotron.parallel.pipeline_parallel"
+PACKAGE = "picotron.parallel.pipeline_schedules"
 # The schedule builders of the course's module: the answers, which the learner's functions may not call.
 COURSE_SCHEDULES = ("naive_schedule", "afab_schedule", "one_f_one_b_schedule", "interleaved_schedule",
                     "zb_h1_schedule", "make_schedule")
@@ -67,7 +67,7 @@ CHECK_MODEL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=4, nu
 def _course_schedules_watched() -> Iterator[list[str]]:
     """Inside the block, note every call of one of the course's schedule builders, however it was
     imported (the profiler sees the function's code, not the name it was called by)."""
-    import picotron.parallel.pipeline_parallel as module
+    import picotron.parallel.pipeline_schedules as module
 
     codes = {getattr(module, name).__code__: name for name in COURSE_SCHEDULES if hasattr(module, name)}
     called: list[str] = []
@@ -451,8 +451,9 @@ def _train_one_process() -> dict:
 def _train_on_rank(cases: list) -> list:
     """Every case on this rank: build the stages, run the learner's lists TRAIN_STEPS times."""
     from picotron.mesh import Mesh
-    from picotron.parallel.pipeline_parallel import (Action, Schedule, build_stages, run_schedule,
-                                                     split_microbatches, stage_parameters, sync_tied_embeddings)
+    from picotron.parallel.pipeline_parallel import (Timeline, build_stages, run_schedule, split_microbatches,
+                                                     stage_parameters, sync_tied_embeddings)
+    from picotron.parallel.pipeline_schedules import Action, Schedule
     out = []
     for layout, m, lists in cases:
         mesh = Mesh(**layout)                    # every rank builds every case's groups, in the same order
@@ -469,16 +470,17 @@ def _train_on_rank(cases: list) -> list:
         result = {"pp_rank": mesh.pp_rank, "loss": [], "grads": [], "peak": 0}
         for step in range(TRAIN_STEPS):
             tokens = _tokens(step)[mesh.dp_rank * share:(mesh.dp_rank + 1) * share]   # this dp rank's rows
+            timeline = Timeline()                # counts the micro-batches in flight
             step_result = run_schedule(schedule, stages, mesh, split_microbatches(tokens[:, :-1], m),
                                        split_microbatches(tokens[:, 1:], m), loss_fn,
-                                       (share // m, SEQ, CHECK_MODEL.hidden_size))
+                                       (share // m, SEQ, CHECK_MODEL.hidden_size), observer=timeline)
             sync_tied_embeddings(stages, mesh)   # the embedding (stage 0) and the LM head (last stage) are one matrix
             for p in params:                     # data parallelism: average over the dp group
                 dist.all_reduce(p.grad, group=mesh.dp_group)
                 p.grad /= mesh.dp_size
             result["loss"].append(0.0 if step_result.loss is None else step_result.loss.item())
             result["grads"].append({names[p]: p.grad.clone() for p in params})
-            result["peak"] = max(result["peak"], step_result.peak_activations)
+            result["peak"] = max(result["peak"], timeline.peak_activations)
             optimizer.step()
             optimizer.zero_grad()
         result["weights"] = {names[p]: p.detach().clone() for p in params}

@@ -475,14 +475,27 @@ def test_a_deadlocked_ring_fails_within_the_hop_timeout():
 
 
 def test_the_course_answer_is_refused_in_one_process_too():
-    from picotron.parallel.context_parallel import merge_blocks
+    from picotron.parallel.online_softmax import merge_blocks
 
     with pytest.raises(AssertionError, match="the course's answer"):
         check_merge(merge_blocks)
     import picotron.parallel.context_parallel as course
+    import picotron.parallel.online_softmax as blocks
+    for module in (blocks, course):   # where it is defined, and the technique that calls it
+        with pytest.raises(AssertionError, match="the course's answer"):
+            check_merge(lambda *args: module.merge_blocks(*args))
+    assert blocks.merge_blocks is merge_blocks and course.merge_blocks is merge_blocks   # restored afterwards
+
+
+def test_the_course_layout_is_refused_where_it_lives():
+    import picotron.data as data
+    from picotron.data import cp_chunks, cp_positions
+
     with pytest.raises(AssertionError, match="the course's answer"):
-        check_merge(lambda *args: course.merge_blocks(*args))
-    assert course.merge_blocks is merge_blocks          # restored afterwards
+        check_layout(cp_chunks, cp_positions)
+    with pytest.raises(AssertionError, match=r"called picotron.data.cp_chunks, the course's answer"):
+        check_layout(lambda *args: data.cp_chunks(*args), lambda *args: data.cp_positions(*args))
+    assert data.cp_chunks is cp_chunks and data.cp_positions is cp_positions   # restored afterwards
 
 
 def test_the_check_cases_cover_what_they_promise():

@@ -188,8 +188,8 @@ class AllToAllWholeWorld(RefAllToAll):
 
 
 def _course_all_to_all():
-    from picotron.parallel.expert_parallel import AllToAll
-    return AllToAll
+    from picotron.parallel.expert_parallel import TokenAllToAll
+    return TokenAllToAll
 
 
 # ---- dispatch -----------------------------------------------------------------------------------------

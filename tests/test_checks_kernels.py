@@ -192,13 +192,13 @@ def rmsnorm_input_stride_for_output(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_r
 
 
 def _course_softmax():
-    from picotron.kernels.row_softmax import softmax_row_kernel
-    return softmax_row_kernel
+    from picotron.kernels.row_softmax import softmax_kernel_v1
+    return softmax_kernel_v1
 
 
 def _course_rmsnorm():
-    from picotron.kernels.rmsnorm import rmsnorm_fwd_row_kernel
-    return rmsnorm_fwd_row_kernel
+    from picotron.kernels.rmsnorm import rmsnorm_forward_kernel_v1
+    return rmsnorm_forward_kernel_v1
 
 
 WRONG_ANSWERS = [

@@ -158,7 +158,7 @@ def act_three_mlp_tensors(config, batch, seq, dtype_bytes=4):
 
 
 def act_asks_picotron(config, batch, seq, dtype_bytes=4):
-    from picotron.memory import activation_bytes_per_layer as course_answer  # renamed: still caught
+    from picotron.costs import activation_bytes_per_layer as course_answer  # renamed: still caught
     return course_answer(config, batch, seq, dtype_bytes=dtype_bytes)
 
 
@@ -253,7 +253,7 @@ WRONG_ANSWERS = [
     (check_activation_bytes, act_norm_input_in_activation_dtype, "RMSNorm computes in fp32"),
     (check_activation_bytes, act_ignores_dtype, "that is the fp32 count"),
     (check_activation_bytes, act_three_mlp_tensors, "SwiGLU keeps four"),
-    (check_activation_bytes, act_asks_picotron, "picotron.memory, which does this exercise for you"),
+    (check_activation_bytes, act_asks_picotron, "picotron.costs, which does this exercise for you"),
     (check_recompute, KeepsTheGraph, "forward must run fn without recording a graph"),
     (check_recompute, SavesIntermediates, "forward must run fn without recording a graph"),
     (check_recompute, GradOfInputsOnly, "got no gradient"),

@@ -11,10 +11,11 @@ import pytest
 
 from picotron_course.checks_planner import (Layout, candidate_layouts, check_best_layout, check_memory_per_gpu,
                                             check_params_on_first_stage, check_step_time)
-from picotron.memory import estimate_memory, training_flops_per_token
+from picotron.memory import estimate_memory
+from picotron.costs import training_flops_per_token
 from picotron.parallel.tensor_parallel_costs import tp_activation_bytes_per_layer
 from picotron.planner import ASSUMED_MFU
-from picotron.train import flops_per_token
+from picotron.costs import flops_per_token
 
 BYTES = {"fp32": (4, 4, 8, 4), "bf16-mixed": (2, 2, 12, 2)}     # parameter, gradient, optimizer, activation
 

@@ -2,7 +2,7 @@
 that names the mistake.
 
 The correct answers are written here, not taken from the solution notebook (which runs under nbval
-on its own) nor from picotron.parallel.pipeline_parallel's schedules, which the checks refuse.
+on its own) nor from picotron.parallel.pipeline_schedules, which the checks refuse.
 The structure checks run in this process (milliseconds); the training check launches 4 ranks, so it
 runs only for the answers where that is the point: the right one, AFAB posing as 1F1B (right
 gradients, too much memory), and two that must be refused before any rank starts.
@@ -14,7 +14,7 @@ import pytest
 
 from picotron_course.checks_pp import (STRUCTURE_CASES, TRAIN_CASES, check_afab_actions, check_one_f_one_b_actions,
                                        check_one_f_one_b_training, show_timeline)
-from picotron.parallel.pipeline_parallel import Action
+from picotron.parallel.pipeline_schedules import Action
 
 
 # ---- correct answers ------------------------------------------------------------------------------
@@ -139,12 +139,12 @@ def returns_strings(rank, pp, m):
 
 
 def calls_the_course_1f1b(rank, pp, m):
-    from picotron.parallel.pipeline_parallel import one_f_one_b_schedule
+    from picotron.parallel.pipeline_schedules import one_f_one_b_schedule
     return one_f_one_b_schedule(pp, m).actions[rank]
 
 
 def calls_make_schedule(rank, pp, m):
-    import picotron.parallel.pipeline_parallel as pipeline
+    import picotron.parallel.pipeline_schedules as pipeline
     return pipeline.make_schedule("afab", pp, m).actions[rank]
 
 

@@ -13,20 +13,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from picotron.config import ModelConfig, TrainConfig, check_context_parallel
+from picotron import comm
+from picotron.config import ModelConfig, TrainConfig
+from picotron.parallel.context_parallel import CP_MODES, check_context_parallel
 from picotron_course.checks import one_thread
-from picotron.data import DataLoader, TokenDataset, build_dataset
+from picotron.data import DataLoader, TokenDataset, build_dataset, cp_chunks, cp_positions
 from picotron.launch import run
-from picotron.memory import activation_bytes_per_layer
+from picotron.costs import activation_bytes_per_layer
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
-from picotron.parallel.context_parallel import (MODES, AttentionWork, apply_context_parallel, attention_block,
-                                                cp_activation_bytes_per_layer, cp_chunks, cp_comm_bytes_per_layer,
-                                                cp_comm_per_layer, cp_positions, gather_sequence, merge_blocks,
-                                                online_softmax, online_softmax_attention, ring_attention,
-                                                replay_ring_work, ring_attention_work, split_sequence,
-                                                ulysses_attention,
+from picotron.parallel.context_parallel import (AttentionWork, apply_context_parallel, gather_sequence,
+                                                replay_ring_work, ring_attention, take_cp_tokens, ulysses_attention,
                                                 whole_sequence)
+from picotron.parallel.context_parallel_costs import (cp_activation_bytes_per_layer, cp_comm_bytes_per_layer,
+                                                      cp_comm_per_layer, ring_attention_work)
+from picotron.parallel.online_softmax import attention_block, merge_blocks, online_softmax, online_softmax_attention
 from picotron.parallel.data_parallel import all_reduce_gradients
 from picotron.tolerance import assert_close, compare, compare_all, llama_roundings
 
@@ -112,7 +113,7 @@ def test_zigzag_layout_and_round_trip():
     assert cp_positions(16, 1, 4).tolist() == [4, 5, 6, 7]
     x = torch.randn(2, 3, 16, 5)
     for zigzag in (False, True):
-        pieces = [split_sequence(x, r, 4, zigzag) for r in range(4)]
+        pieces = [take_cp_tokens(x, r, 4, zigzag) for r in range(4)]
         assert torch.equal(gather_sequence(pieces, zigzag), x)
     with pytest.raises(ValueError, match=r"multiple of 8"):
         cp_positions(12, 0, 4, zigzag=True)
@@ -195,9 +196,9 @@ def attention_errors(reference: dict) -> dict:
     group, cp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     q, k, v, grad_out = attention_inputs()
     out = {}
-    for mode in MODES:
+    for mode in CP_MODES:
         zigzag = mode == "zigzag"
-        mine = lambda t: split_sequence(t, rank, cp, zigzag)   # noqa: E731
+        mine = lambda t: take_cp_tokens(t, rank, cp, zigzag)   # noqa: E731
         local = [mine(t).requires_grad_() for t in (q, k, v)]
         if mode == "ulysses":
             y = ulysses_attention(*local, group)
@@ -215,13 +216,13 @@ def work_per_rank(zigzag: bool) -> dict:
     """Blocks, FLOPs and seconds of this rank's ring attention (forward, then backward), 128 tokens."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     q, k, v, grad_out = attention_inputs(seq=128)
-    local = [split_sequence(t, rank, cp, zigzag).requires_grad_() for t in (q, k, v)]
+    local = [take_cp_tokens(t, rank, cp, zigzag).requires_grad_() for t in (q, k, v)]
     work = AttentionWork()
     for _ in range(3):   # keep the last of three runs: the first pays for warming up
         work.reset()
         y = ring_attention(*local, dist.group.WORLD, zigzag=zigzag, work=work)
         forward = dataclasses.asdict(work)
-        (y * split_sequence(grad_out, rank, cp, zigzag)).sum().backward()
+        (y * take_cp_tokens(grad_out, rank, cp, zigzag)).sum().backward()
     backward = {key: value - forward[key] for key, value in dataclasses.asdict(work).items()}
     return {"forward": forward, "backward": backward}
 
@@ -278,10 +279,12 @@ def comm_per_step(mode: str) -> dict:
     model = apply_context_parallel(Llama(CONFIG), mesh, mode)
     batch = DataLoader(dataset(), BATCH, cp_rank=mesh.cp_rank, cp_size=mesh.cp_size,
                        zigzag=mode == "zigzag").get_batch(0)
-    loss = loss_fn(model(batch.input_ids, batch.position_ids), batch.targets)
+    with comm.counting(mesh.counter):
+        loss = loss_fn(model(batch.input_ids, batch.position_ids), batch.targets)
     forward = mesh.counter.snapshot()
     mesh.counter.reset()
-    loss.backward()
+    with comm.counting(mesh.counter):
+        loss.backward()
     return {"forward": forward, "backward": mesh.counter.snapshot()}
 
 
@@ -356,12 +359,12 @@ def all_cases(attention_reference: dict, references: dict) -> dict:
     out = {"attention": attention_errors(attention_reference),
            "train": {case: train(*case, references) for case in TRAIN_CASES[world]},
            "work": {zigzag: work_per_rank(zigzag) for zigzag in (False, True)},
-           "comm": {mode: comm_per_step(mode) for mode in MODES}}
+           "comm": {mode: comm_per_step(mode) for mode in CP_MODES}}
     if world == 2:
         for recompute, mode in (("selective", "zigzag"), ("full", "ring"), ("selective", "ulysses")):
             out[("recompute", recompute, mode)] = recompute_one_step(dataclasses.replace(CONFIG, recompute=recompute),
                                                                     mode)
-        for mode in MODES:
+        for mode in CP_MODES:
             for attention in ("sdpa", "eager"):
                 out[("saved", mode, attention)] = layer_saved_bytes(dataclasses.replace(CONFIG, attention=attention),
                                                                     mode)
@@ -384,7 +387,7 @@ def launches(one_process) -> dict:
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", CP_MODES)
 def test_attention_equals_one_device(cp, mode, launches):
     for rank in launches[cp]:
         for what, comparison in rank["attention"][mode].items():   # float32 round-off only
@@ -413,7 +416,7 @@ def test_training_equals_one_process(world, mode, dp, launches, one_process):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", CP_MODES)
 def test_counted_communication_equals_formula(cp, mode, launches):
     layer = cp_comm_per_layer(CONFIG, BATCH, SEQ, cp, mode)
     whole_model = {pass_: {op: (CONFIG.num_layers * calls, CONFIG.num_layers * nbytes)
@@ -436,7 +439,7 @@ def test_zigzag_balances_the_work(cp, launches):
     assert max(zigzag) < max(plain)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", CP_MODES)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_saved_activations_equal_formula(mode, attention, launches):
     config = dataclasses.replace(CONFIG, attention=attention)

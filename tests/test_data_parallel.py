@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from picotron import comm
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
@@ -83,7 +84,15 @@ def dataset() -> TokenDataset:
 
 
 def train_variant(variant: tuple, counter: CommCounter | None = None) -> dict:
-    """Train STEPS steps of AdamW; return the loss (global mean), rank 0's gradients, samples seen."""
+    """Train STEPS steps of AdamW; return the loss (global mean), rank 0's gradients, samples seen.
+
+    `counter`, if given, records every collective of the run (picotron.comm.counting).
+    """
+    with comm.counting(counter) if counter is not None else nullcontext():
+        return _train_variant(variant, counter)
+
+
+def _train_variant(variant: tuple, counter: CommCounter | None) -> dict:
     sync, bucket_mb, overlap, accum = variant
     dp_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -91,7 +100,7 @@ def train_variant(variant: tuple, counter: CommCounter | None = None) -> dict:
     model = Llama(SMALL)
     wrapped, dp = model, None
     if sync == "dp":
-        dp = DataParallel(model, dist.group.WORLD, bucket_mb=bucket_mb, overlap=overlap, counter=counter)
+        dp = DataParallel(model, dist.group.WORLD, bucket_mb=bucket_mb, overlap=overlap)
     elif sync == "ddp":
         wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -110,9 +119,9 @@ def train_variant(variant: tuple, counter: CommCounter | None = None) -> dict:
             step_loss += loss.detach()
             samples += batch.sample_ids.tolist()
         if sync == "each":
-            all_reduce_each_gradient(model, dist.group.WORLD, counter=counter)
+            all_reduce_each_gradient(model, dist.group.WORLD)
         elif sync == "flat":
-            all_reduce_gradients(model, dist.group.WORLD, counter=counter)
+            all_reduce_gradients(model, dist.group.WORLD)
         elif sync == "dp":
             dp.finish_gradient_sync()
         if dist.is_initialized():
@@ -234,9 +243,14 @@ def test_post_accumulate_hook_fires_once_for_a_tied_weight(recompute):
 
 def mechanics() -> dict:
     """One rank's view of DataParallel: views, launch times, bytes, errors."""
+    with comm.counting() as counter:
+        return _mechanics(counter)
+
+
+def _mechanics(counter: CommCounter) -> dict:
     torch.manual_seed(0)
-    model, counter = Llama(SMALL), CommCounter()
-    dp = DataParallel(model, dist.group.WORLD, bucket_mb=0.05, counter=counter)
+    model = Llama(SMALL)
+    dp = DataParallel(model, dist.group.WORLD, bucket_mb=0.05)
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
     out = {"buckets": len(dp.buckets), "grad_bytes": dp.grad_bytes, "rank": dist.get_rank(),
            "broadcast": counter.bytes["broadcast"]}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron.comm import CommCounter
+from picotron import comm
 from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
@@ -36,9 +36,9 @@ LAYER_SHAPE = (2, 12, H)             # one rank's tokens in the layer tests: 24 
 CAPACITY = 1.0
 TRAIN_CASES = {2: [2], 4: [4, 2]}    # ep for each world size; dp = world size
 # Routing is discontinuous: where a token's 2nd and 3rd expert scores nearly tie, the ~1e-7 weight differences
-# that Adam makes out of summation order (DESIGN.md) can flip its expert, and the runs part (in 1 of 15 seeded
-# runs at the default init, moving the loss by 2e-3). Router logits ROUTER_SCALE times the init's make such
-# near-ties rarer; the parallel code is the same.
+# that Adam makes out of summation order (docs/design.md, "Equivalence and tolerances") can flip its expert,
+# and the runs part (in 1 of 15 seeded runs at the default init, moving the loss by 2e-3). Router logits
+# ROUTER_SCALE times the init's make such near-ties rarer; the parallel code is the same.
 ROUTER_SCALE = 10.0
 SEED = 0
 # Roundings behind one number of an MoE layer (picotron.tolerance, bound 8 sqrt(n) u scale): forward, the router
@@ -80,17 +80,17 @@ def dropless_layer() -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     plain = MoE(CONFIG)
-    counter = CommCounter()
-    layer = ExpertParallelMoE(copy.deepcopy(plain), ExpertParallelGroups.from_group(), counter)
+    layer = ExpertParallelMoE(copy.deepcopy(plain), ExpertParallelGroups.from_group())
     x, grad_out = layer_inputs(world)
     reference_x = x.clone().requires_grad_()
     reference = plain(reference_x)
     ((reference * grad_out).sum() + plain.aux_loss).backward()
     local_x = x[rank].clone().requires_grad_()
-    y = layer(local_x)
+    with comm.counting() as counter:
+        y = layer(local_x)
     forward = counter.snapshot()
-    counter.reset()
-    ((y * grad_out[rank]).sum() + layer.aux_loss / world).backward()
+    with comm.counting() as counter:
+        ((y * grad_out[rank]).sum() + layer.aux_loss / world).backward()
     backward = counter.snapshot()
     grads = grads_of(layer)
     dist.all_reduce(grads["router.weight"])                              # replicated: sum of the ranks' parts
@@ -143,7 +143,7 @@ def train(dp: int, ep: int | None = None, reference: dict | None = None) -> dict
     else:
         mesh = Mesh(dp=dp)
         groups = expert_parallel_groups(mesh, ep)
-        apply_expert_parallel(model, groups, counter=mesh.counter)
+        apply_expert_parallel(model, groups)
         loader = DataLoader(dataset(), BATCH, dp_rank=mesh.dp_rank, dp_size=dp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     out = {"loss": [], "aux": [], "load": [], "grads": [], "grad_error": [], "samples": None}
@@ -156,7 +156,7 @@ def train(dp: int, ep: int | None = None, reference: dict | None = None) -> dict
         (ce + aux).backward()
         losses = torch.stack([ce.detach(), aux.detach()])
         if ep is not None:
-            average_gradients(model, groups, counter=mesh.counter)
+            average_gradients(model, groups)
             dist.all_reduce(losses)      # the global batch's loss is the mean over the dp ranks
             losses /= dp
         out["loss"].append(losses.sum().item())

@@ -494,7 +494,8 @@ def test_fp8_by_config_in_the_model_and_the_trainer():
     trains in fp8 (emulated here) close to fp32; picotron.config lists exactly picotron.fp8's recipes."""
     import dataclasses
 
-    from picotron.config import FP8_RECIPES, Config, ModelConfig, ParallelConfig, TrainConfig, validate
+    from picotron.config import FP8_RECIPES, Config, ModelConfig, ParallelConfig, TrainConfig
+    from picotron.layout import validate
     from picotron.fp8 import RECIPES, Float8Linear
     from picotron.model import Llama
     from picotron.train import Trainer

@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
-from picotron.memory import (MemoryTracker, activation_bytes, activation_bytes_per_layer, estimate_memory,
-                             measure_memory, num_param_tensors, saved_tensors, training_flops_per_token)
+from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.layout import validate
+from picotron.memory import MemoryTracker, estimate_memory, measure_memory, num_param_tensors, saved_tensors
+from picotron.costs import activation_bytes, activation_bytes_per_layer, training_flops_per_token
 from picotron.model import DecoderLayer, Llama, loss_fn
 from picotron.tolerance import LOSS_ATOL, compare_all, llama_roundings
-from picotron.train import flops_per_token
+from picotron.costs import flops_per_token
 
 TINY = ModelConfig()   # 4 layers, h=128, GQA 4/2 heads, vocab 256: about 1M parameters
 # The only bytes the formula leaves out: the loss scalar and cross-entropy's total weight, 4 B each.
@@ -242,7 +243,7 @@ RANK_MODEL = ModelConfig(num_layers=4, num_attention_heads=4, num_key_value_head
 def rank_config(name: str) -> Config:
     parallel = ParallelConfig(**RANK_CASES[name])
     model = dataclasses.replace(ModelConfig.preset("tiny-moe"), max_seq_len=64) if parallel.ep > 1 else RANK_MODEL
-    if "untied" in name:                                  # ZeRO-2 with pp needs an untied head (config.validate)
+    if "untied" in name:                                  # ZeRO-2 with pp needs an untied head (layout.validate)
         model = dataclasses.replace(model, tie_word_embeddings=False)
     return Config(model=model, parallel=parallel,
                   train=TrainConfig(steps=2, micro_batch_size=2, seq_len=32,
@@ -423,7 +424,7 @@ def test_context_parallel_divides_the_activations_not_the_state():
 
 def test_tp_and_cp_together_compose_their_formulas():
     from picotron.memory import dense_layer_activation_bytes
-    from picotron.parallel.context_parallel import cp_activation_bytes_per_layer
+    from picotron.parallel.context_parallel_costs import cp_activation_bytes_per_layer
     from picotron.parallel.tensor_parallel_costs import tp_activation_bytes_per_layer
     config = ModelConfig(num_attention_heads=8, num_key_value_heads=4)
     for recompute in ("none", "selective", "full"):

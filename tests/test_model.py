@@ -238,7 +238,7 @@ def test_bad_moe_settings_are_refused(change, message):
 
 
 def test_triton_norms_by_config_compute_what_torch_norms_compute():
-    """norm_impl="triton" builds picotron.kernels.TritonRMSNorm (the Triton interpreter on a CPU): the same
+    """norm_impl="triton" builds picotron.kernels.rmsnorm.TritonRMSNorm (the Triton interpreter on a CPU): the same
     state dict, loss and gradients as the torch RMSNorm."""
     pytest.importorskip("triton")
     config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
@@ -256,5 +256,11 @@ def test_triton_norms_by_config_compute_what_torch_norms_compute():
     grads = compare_all({name: q.grad for name, q in kernels.named_parameters()},
                         {name: p.grad for name, p in plain.named_parameters()}, n=llama_roundings(config, 15, 2 * 15))
     assert grads, str(grads)
+    with torch.no_grad():                        # init_weights resets every norm, of either kind, to ones
+        for name, q in kernels.named_parameters():
+            if "norm" in name:
+                q.fill_(2.0)
+    kernels.init_weights()
+    assert all((q == 1).all() for name, q in kernels.named_parameters() if "norm" in name)
     with pytest.raises(ValueError, match="norm_impl='cuda'; choose one of \\('torch', 'triton'\\)"):
         Llama(dataclasses.replace(config, norm_impl="cuda"))

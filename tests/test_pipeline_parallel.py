@@ -1,5 +1,5 @@
-"""picotron.parallel.pipeline_parallel: every schedule trains exactly like one process, matches torch's
-Schedule1F1B, and its measured bubble and memory are the textbook ones.
+"""picotron.parallel.pipeline_parallel and pipeline_schedules: every schedule trains exactly like one
+process, matches torch's Schedule1F1B, and its measured bubble and memory are the textbook ones.
 
 One launch of 4 ranks runs everything that needs ranks: 20 AdamW steps of every schedule at pp=4
 (interleaved with v=2) and at dp=2 x pp=2 (a data-parallel all-reduce after the last micro-batch),
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from picotron import comm
 from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
@@ -25,10 +26,10 @@ from picotron.launch import run
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import all_reduce_gradients
-from picotron.parallel.pipeline_parallel import (Action, Schedule, bubble_formula, bubble_fraction, build_stages,
-                                                 check_schedule, make_schedule, peak_in_flight, run_schedule, simulate,
-                                                 split_microbatches, stage_layers, stage_parameters,
-                                                 sync_tied_embeddings)
+from picotron.parallel.pipeline_parallel import (Timeline, build_stages, run_schedule, split_microbatches,
+                                                 stage_layers, stage_parameters, sync_tied_embeddings)
+from picotron.parallel.pipeline_schedules import (Action, Schedule, bubble_formula, bubble_fraction, check_schedule,
+                                                  make_schedule, peak_in_flight, simulate)
 from picotron.tolerance import ADAM_WEIGHTS_ATOL, LOSS_ATOL, compare_all, llama_roundings
 
 # 8 layers: pp=4 with v=2 interleaved chunks gets one layer per chunk.
@@ -80,16 +81,18 @@ def one_process() -> dict:
 
 
 # ---- on the ranks: 20 steps of each schedule ------------------------------------------------------------------
-def pipeline_step(schedule, stages, mesh, batch, counter=None, ready=None):
-    """One optimizer step's gradients: the schedule, the tied-embedding sum, the dp average."""
+def pipeline_step(schedule, stages, mesh, batch, ready=None, observer=None):
+    """One optimizer step's gradients: the schedule, the tied-embedding sum, the dp average. Returns the
+    schedule's result and what the schedule and the tied-embedding sum sent (not the dp all-reduce)."""
     m = schedule.num_microbatches
-    result = run_schedule(schedule, stages, mesh, split_microbatches(batch.input_ids, m),
-                          split_microbatches(batch.targets, m), loss_fn,
-                          (batch.input_ids.shape[0] // m, SEQ, CONFIG.hidden_size), counter=counter,
-                          on_grads_ready=ready)
-    sync_tied_embeddings(stages, mesh, counter=counter)
+    with comm.counting() as counted:
+        result = run_schedule(schedule, stages, mesh, split_microbatches(batch.input_ids, m),
+                              split_microbatches(batch.targets, m), loss_fn,
+                              (batch.input_ids.shape[0] // m, SEQ, CONFIG.hidden_size), on_grads_ready=ready,
+                              observer=observer)
+        sync_tied_embeddings(stages, mesh)
     all_reduce_gradients(nn.ModuleList(stages), mesh.dp_group)   # once, after the last micro-batch
-    return result
+    return result, counted
 
 
 def global_loss(result, mesh) -> float:
@@ -112,15 +115,14 @@ def train_pipeline(mesh: Mesh, name: str, num_microbatches: int, virtual: int, r
     out = {"loss": [], "grad_error": [], "grads_close": [], "samples": []}
     for step in range(STEPS):
         batch = loader.get_batch(step)
-        counter, ready = (mesh.counter, []) if step == 0 else (None, None)
-        mesh.counter.reset()
+        ready, timeline = ([], Timeline()) if step == 0 else (None, None)
         on_ready = (lambda stage: ready.append((stage, time.perf_counter()))) if step == 0 else None
-        result = pipeline_step(schedule, stages, mesh, batch, counter, on_ready)
+        result, counted = pipeline_step(schedule, stages, mesh, batch, on_ready, timeline)
         if step == 0:
-            out["counted"] = mesh.counter.snapshot()
+            out["counted"] = counted.snapshot()
             out["ready"] = ready
-            out["events"] = result.events
-            out["peak"] = result.peak_activations
+            out["events"] = timeline.events
+            out["peak"] = timeline.peak_activations
         out["loss"].append(global_loss(result, mesh))
         out["samples"].append(batch.sample_ids.tolist())
         grads = reference["grads"][step]
@@ -152,7 +154,7 @@ def torch_1f1b(mesh: Mesh, num_microbatches: int) -> dict:
     out = {"loss": [], "grads": []}
     for step in range(TORCH_STEPS):
         batch = loader.get_batch(step)
-        ours = pipeline_step(schedule, stages["ours"], mesh, batch)
+        ours, _ = pipeline_step(schedule, stages["ours"], mesh, batch)
         losses = []
         if mesh.is_first_stage:
             theirs.step(batch.input_ids)
@@ -216,9 +218,10 @@ def sleeping_pipeline(mesh: Mesh) -> dict:
             stages = [SleepStage(s, schedule.num_stages, seconds)
                       for s in range(mesh.pp_rank, schedule.num_stages, mesh.pp_size)]
             dist.barrier()   # start together: the step's time is the same for every rank
-            events = run_schedule(schedule, stages, mesh, inputs, targets, lambda y, t: y.sum(), (1, 4)).events
+            timeline = Timeline()
+            run_schedule(schedule, stages, mesh, inputs, targets, lambda y, t: y.sum(), (1, 4), observer=timeline)
             everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, events)
+            dist.all_gather_object(everyone, timeline.events)
             steps.append([e for rank in everyone for e in rank])
         out[name] = min(steps[1:], key=lambda events: max(e.end for e in events) - min(e.start for e in events))
     return out
@@ -433,6 +436,31 @@ def test_one_rank_holding_every_stage_is_the_model():
     assert errors["interleaved"].startswith("pp rank 0 must hold stages [0, 1, 2, 3] of 4 for this schedule, got "
                                             "[(0, 1)]; build them with build_stages(model, 0, 1, virtual_stages=4)")
     assert errors[("zb-h1", True)].startswith("stage 0's lm_head shares a weight with stage 0's embed on this rank")
+
+
+def test_observer_sees_every_action_in_order():
+    """The executor only runs the actions; an observer is told before and after each one, in the
+    schedule's order, with the graphs in flight after it (as peak_in_flight counts them)."""
+    def step():
+        tokens = torch.randint(0, 256, (4, SEQ + 1))
+        schedule = make_schedule("interleaved", 1, 2, 2)
+        calls = []
+
+        class Recorder:
+            def before(self, rank, action):
+                calls.append(("before", rank, action))
+
+            def after(self, rank, action, in_flight):
+                calls.append(("after", rank, action, in_flight))
+
+        run_schedule(schedule, build_stages(Llama(CONFIG), 0, 1, 2), Mesh(), split_microbatches(tokens[:, :-1], 2),
+                     split_microbatches(tokens[:, 1:], 2), loss_fn, (2, SEQ, CONFIG.hidden_size), observer=Recorder())
+        return calls
+    calls = run(step, 1, timeout=60)[0]
+    actions = make_schedule("interleaved", 1, 2, 2).actions[0]
+    alive = [sum((a.op == "F") - (a.op == "B") for a in actions[:k + 1]) for k in range(len(actions))]
+    assert calls == [call for a, n in zip(actions, alive) for call in (("before", 0, a), ("after", 0, a, n))]
+    assert max(alive) == peak_in_flight(make_schedule("interleaved", 1, 2, 2))[0]
 
 
 # ---- clear errors ----------------------------------------------------------------------------------------------

@@ -8,11 +8,12 @@ import math
 import pytest
 
 from picotron.config import ModelConfig, ParallelConfig, TrainConfig
-from picotron.memory import estimate_memory, training_flops_per_token
+from picotron.memory import estimate_memory
+from picotron.costs import training_flops_per_token
 from picotron.parallel.pipeline_schedules import bubble_formula, make_schedule, simulate
 from picotron.planner import (ASSUMED_MFU, LLAMA3_405B, LLAMA3_8B, PUBLISHED_RUNS, ClusterSpec, Plan,
                               _unit_makespan, describe, estimate_plan, group_link, predict_published, search)
-from picotron.train import flops_per_token
+from picotron.costs import flops_per_token
 
 SMALL = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_layers=8, num_attention_heads=8,
                     num_key_value_heads=8, max_seq_len=2048)

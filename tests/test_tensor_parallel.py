@@ -12,19 +12,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from picotron import comm
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
-from picotron.memory import activation_bytes_per_layer, saved_tensors
+from picotron.memory import saved_tensors
+from picotron.costs import activation_bytes_per_layer
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel,
                                                check_tensor_parallel, gather_gradients, gather_parameters,
-                                               parallelize_layer, split_sequence, tp_activation_bytes_per_layer,
-                                               tp_comm_bytes_per_layer, tp_comm_per_layer, tp_comm_per_step,
-                                               vocab_parallel_cross_entropy)
+                                               parallelize_layer, scatter_to_sp_region, vocab_parallel_cross_entropy)
+from picotron.parallel.tensor_parallel_costs import (tp_activation_bytes_per_layer, tp_comm_bytes_per_layer,
+                                                     tp_comm_per_layer, tp_comm_per_step)
 from picotron.tolerance import TRAINING_GRAD_TOL, close_enough, compare, llama_roundings
 
 # GQA with 8 query and 4 key-value heads: tp=4 leaves 2 and 1 per rank. Vocabulary 256 / 4 = 64.
@@ -81,7 +83,7 @@ def train(tied: bool, sequence_parallel: bool | None = None, reference: dict | N
             loss = loss_fn(logits, batch.targets)
         else:
             assert logits.shape == (BATCH, SEQ, CONFIG.vocab_size // mesh.tp_size)   # never the whole vocabulary
-            loss = vocab_parallel_cross_entropy(logits, batch.targets, mesh.tp_group, counter=mesh.counter)
+            loss = vocab_parallel_cross_entropy(logits, batch.targets, mesh.tp_group)
         loss.backward()
         out["loss"].append(loss.item())
         if mesh is None:
@@ -135,7 +137,7 @@ def layer_vs_dtensor(plain, x, cos, sin, grad_out, sequence_parallel: bool) -> d
     reference_out = plain(reference_x, cos, sin)
     (reference_out * grad_out).sum().backward()
     reference_grads = {n: p.grad for n, p in plain.named_parameters()}
-    local = (lambda t: split_sequence(t, group)) if sequence_parallel else (lambda t: t)
+    local = (lambda t: scatter_to_sp_region(t, group)) if sequence_parallel else (lambda t: t)
     ours = parallelize_layer(copy.deepcopy(plain), group, sequence_parallel=sequence_parallel)
     theirs = parallelize_module(copy.deepcopy(plain), init_device_mesh("cpu", (dist.get_world_size(),)),
                                 dtensor_plan(sequence_parallel))
@@ -182,12 +184,14 @@ def linear_pieces() -> dict:
 def layer_comm(plain, x, cos, sin, sequence_parallel: bool) -> dict:
     """Collectives of one layer's forward and backward, counted on the real tensors."""
     counter, group = CommCounter(), dist.group.WORLD
-    layer = parallelize_layer(copy.deepcopy(plain), group, sequence_parallel=sequence_parallel, counter=counter)
-    local_x = (split_sequence(x, group) if sequence_parallel else x).detach().requires_grad_()
-    y = layer(local_x, cos, sin)
+    layer = parallelize_layer(copy.deepcopy(plain), group, sequence_parallel=sequence_parallel)
+    local_x = (scatter_to_sp_region(x, group) if sequence_parallel else x).detach().requires_grad_()
+    with comm.counting(counter):
+        y = layer(local_x, cos, sin)
     forward = counter.snapshot()
     counter.reset()
-    y.sum().backward()
+    with comm.counting(counter):
+        y.sum().backward()
     return {"forward": forward, "backward": counter.snapshot()}
 
 
@@ -198,10 +202,12 @@ def step_comm(sequence_parallel: bool) -> dict:
     model = apply_tensor_parallel(Llama(CONFIG), mesh, sequence_parallel)
     batch = DataLoader(dataset(), BATCH).get_batch(0)
     mesh.counter.reset()
-    loss = vocab_parallel_cross_entropy(model(batch.input_ids), batch.targets, mesh.tp_group, counter=mesh.counter)
+    with comm.counting(mesh.counter):
+        loss = vocab_parallel_cross_entropy(model(batch.input_ids), batch.targets, mesh.tp_group)
     forward = mesh.counter.snapshot()
     mesh.counter.reset()
-    loss.backward()
+    with comm.counting(mesh.counter):
+        loss.backward()
     return {"forward": forward, "backward": mesh.counter.snapshot()}
 
 
@@ -211,7 +217,7 @@ def layer_saved_bytes(config, sequence_parallel: bool) -> int:
     model = Llama(config)
     layer = parallelize_layer(model.layers[0], dist.group.WORLD, sequence_parallel=sequence_parallel)
     x = torch.randn(BATCH, SEQ, config.hidden_size)
-    x = (split_sequence(x, dist.group.WORLD) if sequence_parallel else x).requires_grad_()
+    x = (scatter_to_sp_region(x, dist.group.WORLD) if sequence_parallel else x).requires_grad_()
     cos, sin = model.rope(torch.arange(SEQ)[None])
     out = layer(x, cos, sin)
     rows = saved_tensors(out, exclude=[*model.parameters(), cos, sin])
@@ -242,6 +248,16 @@ def indivisible_sequence() -> str:
     return "no error"
 
 
+def indivisible_heads() -> str:
+    """One layer alone, of a model with 2 key-value heads, over 4 ranks: parallelize_layer checks it too."""
+    layer = Llama(dataclasses.replace(CONFIG, num_key_value_heads=2)).layers[0]
+    try:
+        parallelize_layer(layer, dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def all_cases(references: dict) -> dict:
     """Everything one launch checks, on every rank."""
     tp = dist.get_world_size()
@@ -265,6 +281,7 @@ def all_cases(references: dict) -> dict:
             out[("recompute", variant["recompute"])] = recompute_one_step(dataclasses.replace(CONFIG, **variant))
     else:
         out["indivisible"] = indivisible_sequence()
+        out["indivisible heads"] = indivisible_heads()
     return out
 
 
@@ -377,3 +394,5 @@ def test_clear_errors(launches):
         check_tensor_parallel(CONFIG, 8)
     for rank in launches[4]:
         assert "do not split over tp=4 ranks" in rank["indivisible"], rank["indivisible"]
+        message = rank["indivisible heads"]   # the layer's sizes only: it has no vocabulary
+        assert "tp=4 does not divide num_key_value_heads=2" in message and "choose tp among [1, 2]" in message, message

@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 
 from picotron import checkpoint
-from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
+from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.layout import validate
 from picotron.launch import run
 from picotron.mesh import Mesh
 from picotron.model import Llama
 from picotron.parallel.tensor_parallel import gather_along, gather_parameters
 from picotron.parallel.zero3 import Zero3
 from picotron.tolerance import ADAM_WEIGHTS_ATOL, LOSS_ATOL, TRAINING_GRAD_TOL
-from picotron.train import Trainer, flops_per_token, lr_at, main, parse_args, train
+from picotron.train import Trainer, lr_at, main, parse_args, train
+from picotron.costs import flops_per_token
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_seq_len=64)
@@ -302,7 +304,8 @@ BAD_CONFIGS = [
      ValueError, "grad_accum_steps=3 micro-batches do not divide by it"),
     ("virtual-stages", _args("--dp", "1", "--pp", "2", "--virtual-stages", "2"), ValueError,
      "pp_virtual_stages=2: use 1, or more with pp_schedule='interleaved'"),
-    ("pp-layers", _args("--dp", "1", "--pp", "8"), ValueError, "pp=8 is larger than num_layers=4"),
+    ("pp-layers", _args("--dp", "1", "--pp", "8"), ValueError,
+     "pp=8 x virtual_stages=1 = 8 stages need at least 8 layers, but num_layers=4"),
     ("naive-microbatches", _args("--dp", "1", "--pp", "2", "--pp-schedule", "naive", "--grad-accum-steps", "2"),
      ValueError, "pp_schedule='naive' runs one batch per step"),
     ("ep-dense", _args("--dp", "2", "--ep", "2"), ValueError, "ep=2 needs a mixture-of-experts model"),
@@ -325,7 +328,7 @@ BAD_CONFIGS = [
      "zero_stage=2 with pp_schedule='zb-h1'"),
     ("moe-pp", _args(*MOE, "--dp", "2", "--pp", "2"), NotImplementedError, "pp=2 with an MoE model"),
     ("moe-sp", _args(*MOE, "--dp", "2", "--tp", "2", "--sp"), NotImplementedError,
-     "sequence_parallel with an MoE model (tp=2) is not written"),
+     "sequence parallelism with an MoE model (tp=2, num_experts=8) is not written"),
     ("ep-zero", _args(*MOE, "--ep", "2", "--zero", "1"), NotImplementedError, "ep=2 with zero_stage=1 is not written"),
     ("negative-axis", _args("--dp", "0"), ValueError, "dp=0 must be at least 1"),
     ("model-choice", lambda: Config(model=ModelConfig(attention="flash")), ValueError,

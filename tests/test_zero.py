@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from picotron.comm import CommCounter
+from picotron import comm
 from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
@@ -68,15 +68,14 @@ VARIANTS = {
 }
 
 
-def build(kind: str, stage, options: dict, counter=None):
+def build(kind: str, stage, options: dict):
     """The model and the object that steps it, for one variant, on this rank (or one process)."""
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(ODD, recompute=options.get("recompute", "none")))
     if kind == "zero":
-        return model, ZeroOptimizer(model, stage=stage, optimizer=adamw, bucket_mb=options.get("bucket_mb", 25),
-                                    counter=counter)
+        return model, ZeroOptimizer(model, stage=stage, optimizer=adamw, bucket_mb=options.get("bucket_mb", 25))
     if kind == "zero3":
-        return model, Zero3(model, prefetch=options["prefetch"], optimizer=adamw, counter=counter)
+        return model, Zero3(model, prefetch=options["prefetch"], optimizer=adamw)
     if kind == "dp":
         return model, DataParallel(model, dist.group.WORLD, bucket_mb=25)
     if kind == "fsdp":
@@ -201,23 +200,22 @@ def test_prefetch_holds_one_more_unit(four_ranks):
 
 # ---- bytes and communication, against the formulas ---------------------------------------------
 def state_and_comm(precisions=("fp32", "bf16-mixed"), micro_batches=(1, 2)) -> dict:
-    """For each stage and precision: state bytes after a step, and the counter's payload per step."""
+    """For each stage and precision: state bytes after a step, and the payload counted per step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(rank))
     out = {}
     for precision in precisions:
         for stage in range(4):
-            counter = CommCounter()
             torch.manual_seed(0)
             model = Llama(ODD).to(torch.bfloat16 if precision == "bf16-mixed" else torch.float32)
-            zero = (Zero3(model, optimizer=adamw, counter=counter) if stage == 3 else
-                    ZeroOptimizer(model, stage=stage, optimizer=adamw, counter=counter))
+            zero = (Zero3(model, optimizer=adamw) if stage == 3 else
+                    ZeroOptimizer(model, stage=stage, optimizer=adamw))
             for k in micro_batches:
-                counter.reset()
-                zero.zero_grad()
-                for _ in range(k):
-                    loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-                zero.step()
+                with comm.counting() as counter:       # the step's collectives only
+                    zero.zero_grad()
+                    for _ in range(k):
+                        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+                    zero.step()
                 out[precision, stage, "comm", k] = counter.snapshot()
             out[precision, stage, "bytes"] = zero.state_bytes()
             out[precision, stage, "numels"] = zero.numels

@@ -1,5 +1,7 @@
 """FlashAttention in Triton: causal attention that never writes the (seq x seq) scores to memory.
 
+Chapter: chapters/09_gpu_kernels.ipynb, section 8.
+
     O = softmax(Q K^T * scale + causal mask) V          Q, K, V, O: (batch, heads, seq, head_dim)
 
 Eager attention writes S = Q K^T and P = softmax(S) to HBM (seq^2 values per head, each read back
@@ -11,19 +13,24 @@ is done online (picotron/parallel/online_softmax.py, chapter 05): a running max 
 row, and when a block raises the max the output so far is rescaled by exp(m_old - m_new). HBM
 traffic falls from O(seq^2) to O(seq * head_dim) per head, and the matmuls run on tensor cores.
 
-    flash_fwd_kernel   forward: grid (query blocks, batch * heads); keys above the diagonal are
-                       skipped (causal: half the work), only the diagonal blocks are masked.
-                       Writes O and the log-sum-exp L = m + log l of every row (fp32), for backward.
-    flash_bwd_dkdv_kernel  backward for one block of keys: loops over the query blocks that see it,
-                       recomputes P = exp(S - L) and accumulates dV = P^T dO, dK = dS^T Q * scale
-    flash_bwd_dq_kernel    backward for one block of queries: loops over its keys, dQ = dS K * scale
-                       (two kernels, so that no two programs add into the same rows: no atomics)
-    with dS = P * (dP - D), dP = dO V^T and D = rowsum(dO * O) (computed in torch, one pass).
+Versions (kernels `attention_forward_kernel_vN`, `attention_backward_dkdv_kernel_vN` and
+`attention_backward_dq_kernel_vN`, launched by `attention_forward_vN`, `attention_backward_vN`;
+`flash_attention` is the autograd function of forward v1 and backward v1):
+
+    forward v1   grid (query blocks, batch * heads); keys above the diagonal are skipped (causal: half
+                 the work), only the diagonal blocks are masked. Writes O and the log-sum-exp
+                 L = m + log l of every row (fp32), for backward.
+    backward v1  FlashAttention-2's, two kernels, so that no two programs add into the same rows (no
+                 atomics): dkdv, one block of keys per program, loops over the query blocks that see
+                 it, recomputes P = exp(S - L) and accumulates dV = P^T dO, dK = dS^T Q * scale;
+                 dq, one block of queries per program, loops over its keys, dQ = dS K * scale.
+                 With dS = P * (dP - D), dP = dO V^T and D = rowsum(dO * O) (computed in torch, one pass).
 
 Scores are scaled by scale * log2(e) so that exp becomes exp2, the GPU's native instruction.
 Grouped-query attention (fewer key/value heads, as picotron's Llama) reads key/value head
 h // (heads / kv_heads); backward adds the dK, dV of the query heads that share a key/value head.
-In the interpreter bf16 `tl.dot` returns wrong values (DESIGN.md), so there the dots run in fp32.
+In the interpreter bf16 `tl.dot` returns wrong values (docs/design.md, "CPU first, GPU real"), so
+there the dots run in fp32.
 """
 
 from __future__ import annotations
@@ -34,16 +41,16 @@ import torch
 import triton
 import triton.language as tl
 
-from picotron.kernels import INTERPRETED
-from picotron.kernels.timing import check_device
+from picotron.kernels.runtime import INTERPRETED, check_device
 
-__all__ = ["flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_attention_forward",
-           "flash_attention_backward", "FlashAttentionFunction", "flash_attention", "attention_flops"]
+__all__ = ["attention_forward_kernel_v1", "attention_backward_dkdv_kernel_v1", "attention_backward_dq_kernel_v1",
+           "attention_forward_v1", "attention_backward_v1", "FlashAttentionFunction", "flash_attention",
+           "attention_flops"]
 
 LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e))
 
 
-# ---- forward ----------------------------------------------------------------------------------
+# ---- forward v1 -------------------------------------------------------------------------------
 @triton.jit
 def _attend_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_inside, seq_k,
                    lo, hi, qk_scale, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -73,12 +80,12 @@ def _attend_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_
 
 
 @triton.jit
-def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                     n_heads, group, seq_q, seq_k, head_dim, qk_scale,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+def attention_forward_kernel_v1(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+                                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+                                n_heads, group, seq_q, seq_k, head_dim, qk_scale,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // n_heads
     head = tl.program_id(1) % n_heads
@@ -118,14 +125,14 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     tl.store(lse_ptr + (batch * n_heads + head) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
-# ---- backward ---------------------------------------------------------------------------------
+# ---- backward v1 ------------------------------------------------------------------------------
 @triton.jit
-def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                          stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                          stride_vb, stride_vh, stride_vn, stride_gb, stride_gh, stride_gm,
-                          n_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                          DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+def attention_backward_dkdv_kernel_v1(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                                      stride_vb, stride_vh, stride_vn, stride_gb, stride_gh, stride_gm,
+                                      n_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # q, dO share strides (stride_q*); dk, dv are (batch, heads, seq_k, head_dim) per *query* head,
     # contiguous (stride_g*): the caller adds the query heads of a group.
     start_n = tl.program_id(0) * BLOCK_N
@@ -177,12 +184,12 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
 
 
 @triton.jit
-def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-                        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                        stride_vb, stride_vh, stride_vn,
-                        n_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+def attention_backward_dq_kernel_v1(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                                    stride_vb, stride_vh, stride_vn,
+                                    n_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                    CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     # q, dO and dq share strides (stride_q*).
     start_m = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // n_heads
@@ -277,10 +284,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                            scale: float | None = None,
-                            blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (batch, heads, seq_q, head_dim) and the log-sum-exp (batch, heads, seq_q) fp32 of each row.
+def attention_forward_v1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                         scale: float | None = None,
+                         blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (batch, heads, seq_q, head_dim) and the log-sum-exp (batch, heads, seq_q) fp32 of each row (v1).
 
     blocks: (BLOCK_M, BLOCK_N) to use instead of the defaults, powers of two >= 16, BLOCK_M a multiple
     of BLOCK_N (to see the tiling at work on short sequences)."""
@@ -295,17 +302,18 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if blocks is not None:
         block_m, block_n = _checked_blocks(blocks)
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
-    flash_fwd_kernel[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-                           heads, group, seq_q, seq_k, head_dim, scale * LOG2E,
-                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
-                           DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
+    attention_forward_kernel_v1[grid](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        heads, group, seq_q, seq_k, head_dim, scale * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+        DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
     return out, lse
 
 
-def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                             lse: torch.Tensor, causal: bool = True, scale: float | None = None,
-                             blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv from dO and what forward saved (q, k, v, O, log-sum-exp); blocks as in the forward."""
+def attention_backward_v1(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, causal: bool = True, scale: float | None = None,
+                          blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv from dO and what forward saved (q, k, v, O, log-sum-exp); blocks as in the forward (v1)."""
     group = _check_shapes(q, k, v)
     q, do = q.contiguous(), do.contiguous()     # the kernels read q, dO and write dq with one set of strides
     k, v = _last_dim_contiguous(k, v)
@@ -323,10 +331,10 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         block_m, block_n = _checked_blocks(blocks)
     common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
                   DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
-    flash_bwd_dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * heads)](
+    attention_backward_dkdv_kernel_v1[(triton.cdiv(seq_k, block_n), batch * heads)](
         q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3],
         heads, group, seq_q, seq_k, head_dim, scale * LOG2E, scale, **common)
-    flash_bwd_dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
+    attention_backward_dq_kernel_v1[(triton.cdiv(seq_q, block_m), batch * heads)](
         q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         heads, group, seq_q, seq_k, head_dim, scale * LOG2E, scale, **common)
     if group > 1:   # the query heads of a group all read one key/value head: their gradients add up
@@ -336,12 +344,13 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Attention with FlashAttention kernels both ways; saves q, k, v, O and one fp32 per query row."""
+    """Attention with FlashAttention kernels both ways (forward v1, backward v1); saves q, k, v, O and one fp32
+    per query row."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float | None, blocks: tuple[int, int] | None):
         q, k, v = _last_dim_contiguous(q, k, v)
-        out, lse = flash_attention_forward(q, k, v, causal, scale, blocks)
+        out, lse = attention_forward_v1(q, k, v, causal, scale, blocks)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.blocks = causal, scale, blocks
         return out
@@ -349,7 +358,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.blocks)
+        dq, dk, dv = attention_backward_v1(do, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.blocks)
         return dq, dk, dv, None, None, None
 
 
@@ -358,7 +367,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """softmax(q k^T * scale + mask) v, like F.scaled_dot_product_attention(q, k, v, is_causal=causal,
     scale=scale, enable_gqa=True). q (batch, heads, seq_q, d), k and v (batch, kv_heads, seq_k, d); the causal
     mask is aligned top-left (query i sees keys 0..i), as SDPA's. Differentiable in q, k and v.
-    blocks: (BLOCK_M, BLOCK_N) tile sizes instead of the defaults (see flash_attention_forward)."""
+    blocks: (BLOCK_M, BLOCK_N) tile sizes instead of the defaults (see attention_forward_v1)."""
     return FlashAttentionFunction.apply(q, k, v, causal, scale, blocks)
 
 

@@ -1,5 +1,8 @@
 """What a GPU is made of, and the two numbers that bound every kernel: peak FLOP/s and bandwidth.
 
+The figures and counters chapters/09_gpu_kernels.ipynb uses: GPUSpec (H100_SXM, H200), roofline,
+sectors_per_warp, and count_traffic (the bytes each eager aten op moves).
+
 An H100 SXM has 132 streaming multiprocessors (SMs). Each SM runs up to 64 warps of 32 threads,
 holds 65,536 32-bit registers (256 KB) and 256 KB of L1 cache that a kernel can partly use as
 *shared memory* (up to 228 KB per SM); the SMs share a 50 MB L2 cache, and behind it 80 GB of HBM3

@@ -1,5 +1,7 @@
 """RMSNorm in Triton, forward and backward, and `TritonRMSNorm`, a drop-in for picotron.model.RMSNorm.
 
+Chapter: chapters/09_gpu_kernels.ipynb, section 7 (the backward's derivation is there).
+
     y = w * (x * r),   r = 1 / sqrt(mean_j x_j^2 + eps)     (per row; Zhang & Sennrich 2019, arXiv:1910.07467)
 
 picotron.model.RMSNorm writes it as six torch ops (float, pow, mean, add + rsqrt, multiply, cast,
@@ -7,15 +9,18 @@ multiply by w); in eager mode each is a kernel that reads its input from memory 
 output, and autograd keeps several of those outputs for backward. Here one forward kernel reads x
 once and writes y once, and keeps for backward only x and r (4 bytes per row).
 
-Backward, with x^ = x r and g = dL/dy (derivation in chapter 09):
+Backward, with x^ = x r and g = dL/dy:
 
     dL/dw = sum over rows of g * x^
     dL/dx = r * (g w - x^ * mean_j(g_j w_j x^_j))
 
-    v1  rmsnorm_fwd_row_kernel  forward, one row per program (the assignment writes this one)
-    v2  rmsnorm_fwd_kernel      forward, a tile of ROWS rows per program (fewer programs for narrow rows)
-        rmsnorm_bwd_kernel      backward: dx row by row, and each program's partial sum of dw over the
-                                rows it visits (grid-stride, coarsened); torch adds the few partial rows
+Versions (kernels `rmsnorm_forward_kernel_vN`, `rmsnorm_backward_kernel_vN`, launched by `rmsnorm_forward_vN`,
+`rmsnorm_backward_vN`; `rmsnorm` is the autograd function of forward v2 and backward v1, `TritonRMSNorm` its module):
+
+    forward v1   one row per program (the kernel assignment 09 writes)
+    forward v2   v1 with a tile of ROWS rows per program: fewer programs for narrow rows (thread coarsening)
+    backward v1  dx row by row, and each program's partial sum of dw over the rows it visits (grid-stride,
+                 coarsened); torch adds the few partial rows
 
 Arithmetic in fp32 whatever the input dtype, as picotron.model.RMSNorm does; x^ is rounded to x's
 dtype before the weight multiplies it, as there, so the two agree in bf16 too.
@@ -28,18 +33,17 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from picotron.kernels import INTERPRETED
-from picotron.kernels.timing import check_device
-from picotron.model import RMSNorm
+from picotron.kernels.runtime import INTERPRETED, check_device
 
-__all__ = ["rmsnorm_fwd_row_kernel", "rmsnorm_fwd_kernel", "rmsnorm_bwd_kernel", "rms_norm_forward",
-           "rms_norm_backward", "RMSNormFunction", "rms_norm", "TritonRMSNorm", "rmsnorm_bytes"]
+__all__ = ["rmsnorm_forward_kernel_v1", "rmsnorm_forward_kernel_v2", "rmsnorm_backward_kernel_v1",
+           "rmsnorm_forward_v1", "rmsnorm_forward_v2", "rmsnorm_backward_v1", "RMSNormFunction", "rmsnorm",
+           "TritonRMSNorm", "rmsnorm_bytes"]
 
 
-# ---- v1: forward, one row per program --------------------------------------------------------
+# ---- forward v1: one row per program ---------------------------------------------------------
 @triton.jit
-def rmsnorm_fwd_row_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
-                           BLOCK: tl.constexpr):
+def rmsnorm_forward_kernel_v1(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
+                              BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
@@ -52,10 +56,10 @@ def rmsnorm_fwd_row_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride
     tl.store(rstd_ptr + row, rstd)
 
 
-# ---- v2: forward, a tile of rows per program --------------------------------------------------
+# ---- forward v2: a tile of rows per program ---------------------------------------------------
 @triton.jit
-def rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, n_cols, x_row_stride, out_row_stride, eps,
-                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def rmsnorm_forward_kernel_v2(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, n_cols, x_row_stride, out_row_stride, eps,
+                              ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)          # (ROWS,)
     cols = tl.arange(0, BLOCK)                                    # (BLOCK,)
     row_inside = rows < n_rows
@@ -69,10 +73,10 @@ def rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, n_cols, x_row_st
     tl.store(rstd_ptr + rows, rstd, mask=row_inside)
 
 
-# ---- backward ---------------------------------------------------------------------------------
+# ---- backward v1: dx per row, dw in partial sums ----------------------------------------------
 @triton.jit
-def rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
-                       dy_row_stride, x_row_stride, dx_row_stride, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def rmsnorm_backward_kernel_v1(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
+                               dy_row_stride, x_row_stride, dx_row_stride, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -97,34 +101,56 @@ def rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n
 
 
 # ---- launchers --------------------------------------------------------------------------------
+def _warps(tile: int) -> int:
+    """Warps per program: enough threads that each holds a handful of the tile's values."""
+    return 4 if INTERPRETED or tile <= 2048 else 8 if tile <= 8192 else 16
+
+
 def _tile(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK, ROWS, num_warps): the row padded to a power of two, and rows per program for ~4096 elements."""
     block = triton.next_power_of_2(n_cols)
     rows = max(1, min(64, 4096 // block))
-    warps = 4 if INTERPRETED or rows * block <= 2048 else 8 if rows * block <= 8192 else 16
-    return block, rows, warps
+    return block, rows, _warps(rows * block)
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (rows, n) with a contiguous last dimension -> y (rows, n), rstd (rows,) fp32 (v2 kernel).
-
-    y's dtype is what `weight * x` gives in torch (picotron.model.RMSNorm's output dtype)."""
+def _forward_outputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check x (rows, n) and weight (n,); allocate y, in the dtype `weight * x` gives in torch
+    (picotron.model.RMSNorm's output dtype), and rstd (rows,) fp32."""
     n_rows, n_cols = x.shape
     if weight.shape != (n_cols,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({n_cols},) for rows of {n_cols}")
     check_device(x, weight)
     out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    return out, torch.empty(n_rows, dtype=torch.float32, device=x.device)
+
+
+def rmsnorm_forward_v1(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, n) with a contiguous last dimension -> y (rows, n), rstd (rows,) fp32; one program per row (v1)."""
+    out, rstd = _forward_outputs(x, weight)
+    n_rows, n_cols = x.shape
     if n_rows:
-        block, rows, warps = _tile(n_cols)
-        rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows),)](x, weight, out, rstd, n_rows, n_cols, x.stride(0),
-                                                         out.stride(0), eps, ROWS=rows, BLOCK=block, num_warps=warps)
+        block = triton.next_power_of_2(n_cols)
+        rmsnorm_forward_kernel_v1[(n_rows,)](x, weight, out, rstd, n_cols, x.stride(0), out.stride(0), eps,
+                                             BLOCK=block, num_warps=_warps(block))
     return out, rstd
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """dL/dy (rows, n), saved x and rstd -> dL/dx (x's dtype), dL/dw (weight's dtype)."""
+def rmsnorm_forward_v2(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, n) with a contiguous last dimension -> y (rows, n), rstd (rows,) fp32; a tile of rows per
+    program (v2)."""
+    out, rstd = _forward_outputs(x, weight)
+    n_rows, n_cols = x.shape
+    if n_rows:
+        block, rows, warps = _tile(n_cols)
+        rmsnorm_forward_kernel_v2[(triton.cdiv(n_rows, rows),)](x, weight, out, rstd, n_rows, n_cols, x.stride(0),
+                                                                out.stride(0), eps, ROWS=rows, BLOCK=block,
+                                                                num_warps=warps)
+    return out, rstd
+
+
+def rmsnorm_backward_v1(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dL/dy (rows, n), saved x and rstd -> dL/dx (x's dtype), dL/dw (weight's dtype) (v1)."""
     n_rows, n_cols = x.shape
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
@@ -136,13 +162,14 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     programs = max(1, min(tiles, most))
     dw_partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
     if n_rows:
-        rmsnorm_bwd_kernel[(programs,)](dy, x, weight, rstd, dx, dw_partial, n_rows, n_cols, dy.stride(0), x.stride(0),
-                                        dx.stride(0), ROWS=rows, BLOCK=block, num_warps=warps)
+        rmsnorm_backward_kernel_v1[(programs,)](dy, x, weight, rstd, dx, dw_partial, n_rows, n_cols, dy.stride(0),
+                                                x.stride(0), dx.stride(0), ROWS=rows, BLOCK=block, num_warps=warps)
     return dx, dw_partial.sum(dim=0).to(weight.dtype)
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """RMSNorm over the last dimension with Triton kernels both ways; saves x and one fp32 rstd per row."""
+    """RMSNorm over the last dimension with Triton kernels both ways (forward v2, backward v1); saves x and one
+    fp32 rstd per row."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,31 +177,38 @@ class RMSNormFunction(torch.autograd.Function):
         rows = x.reshape(-1, shape[-1])                 # (rows, n): a view when x is contiguous
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        y, rstd = rms_norm_forward(rows, weight, eps)
+        y, rstd = rmsnorm_forward_v2(rows, weight, eps)
         ctx.save_for_backward(rows, weight, rstd)
         return y.view(shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         rows, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy.reshape(rows.shape), rows, weight, rstd)
+        dx, dw = rmsnorm_backward_v1(dy.reshape(rows.shape), rows, weight, rstd)
         return dx.view(dy.shape), dw, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dimension, differentiable in x and weight, with Triton kernels."""
     return RMSNormFunction.apply(x, weight, eps)
 
 
-class TritonRMSNorm(RMSNorm):
-    """picotron.model.RMSNorm computed by Triton kernels: the same `weight` and `eps`, the same state dict.
+class TritonRMSNorm(nn.Module):
+    """picotron.model.RMSNorm computed by Triton kernels, a drop-in for it: the same `eps`, the same parameter
+    `weight` (dim ones to start with), so the same state dict, and the same forward up to round-off.
 
-    A subclass, so code that looks for norms (`isinstance(m, RMSNorm)`, e.g. Llama.init_weights) finds
-    it. On a machine without a GPU the kernels run in the Triton interpreter: correct, and slow.
+    Not a subclass (this package imports nothing from the rest of picotron): code that looks for the model's
+    norms by class finds only picotron.model.RMSNorm. On a machine without a GPU the kernels run in the
+    Triton interpreter: correct, and slow.
     """
 
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rmsnorm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, {'interpreted' if INTERPRETED else 'compiled'} Triton"

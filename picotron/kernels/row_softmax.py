@@ -1,5 +1,7 @@
 """Row softmax in Triton: one pass over HBM instead of eager PyTorch's five.
 
+Chapter: chapters/09_gpu_kernels.ipynb, section 6.
+
 softmax(x)_j = exp(x_j - m) / sum_k exp(x_k - m), m = max_k x_k (subtracting m keeps exp from
 overflowing and does not change the result). Written as torch ops it is max, subtract, exp, sum,
 divide: five kernels, each reading its input from HBM and writing its output back, about 8 bytes
@@ -7,12 +9,14 @@ moved per element and byte of dtype where 2 would do (read x once, write y once)
 keeps the row in registers between the steps. Softmax does ~5 FLOPs per element, so it is
 memory-bound on every GPU and its speed is its bandwidth: bytes moved / time.
 
-    v1  softmax_row_kernel     one program per row, the whole row in one block: 1 read + 1 write
-    v2  softmax_rows_kernel    ROWS rows per program, a (ROWS, BLOCK) tile: fewer, fuller programs for
-                               short rows (thread coarsening), same bytes
-    v3  softmax_online_kernel  rows too long for one block: a first pass keeps a running max and sum
-                               (online softmax, Milakov & Gimelshein 2018, arXiv:1805.02867), a second
-                               writes the output: 2 reads + 1 write, any row length
+Versions (kernel `softmax_kernel_vN`, launched by `softmax_vN`; `softmax` picks v2 or v3):
+
+    v1  one program per row, the whole row in one block: 1 read + 1 write
+    v2  v1 with ROWS rows per program, a (ROWS, BLOCK) tile: fewer, fuller programs for short rows
+        (thread coarsening), same bytes
+    v3  v1 for rows too long for one block: a first pass over the row's blocks keeps a running max and
+        sum (online softmax, Milakov & Gimelshein 2018, arXiv:1805.02867), a second writes the output:
+        2 reads + 1 write, any row length
 
 Every version computes in fp32 and stores in the input's dtype. Rows are addressed through their
 stride, so a slice x[:, :n] of a wider tensor works without a copy; the last dimension must be
@@ -25,11 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from picotron.kernels import INTERPRETED
-from picotron.kernels.timing import check_device
+from picotron.kernels.runtime import INTERPRETED, check_device
 
-__all__ = ["softmax_row_kernel", "softmax_rows_kernel", "softmax_online_kernel", "softmax", "softmax_v1",
-           "softmax_v2", "softmax_v3", "softmax_unfused", "softmax_bytes", "MAX_FUSED_BLOCK"]
+__all__ = ["softmax_kernel_v1", "softmax_kernel_v2", "softmax_kernel_v3", "softmax_v1", "softmax_v2", "softmax_v3",
+           "softmax", "softmax_unfused", "softmax_bytes", "MAX_FUSED_BLOCK"]
 
 # The longest row v1/v2 hold in one block: 16384 fp32 values are 64 KB of registers spread over a
 # program's 16 warps (128 B per thread), near what an SM can give one program without spilling.
@@ -38,7 +41,7 @@ MAX_FUSED_BLOCK = 16384
 
 # ---- v1: one row per program -----------------------------------------------------------------
 @triton.jit
-def softmax_row_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+def softmax_kernel_v1(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
@@ -54,15 +57,14 @@ def softmax_v1(x: torch.Tensor) -> torch.Tensor:
     x, out = _prepare(x)
     n_rows, n_cols = x.shape
     block = triton.next_power_of_2(n_cols)
-    softmax_row_kernel[(n_rows,)](x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block,
-                                  num_warps=_warps(block))
+    softmax_kernel_v1[(n_rows,)](x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=_warps(block))
     return out
 
 
 # ---- v2: several rows per program ------------------------------------------------------------
 @triton.jit
-def softmax_rows_kernel(x_ptr, out_ptr, n_rows, n_cols, x_row_stride, out_row_stride, ROWS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def softmax_kernel_v2(x_ptr, out_ptr, n_rows, n_cols, x_row_stride, out_row_stride, ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)          # (ROWS,)
     cols = tl.arange(0, BLOCK)                                    # (BLOCK,)
     inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)  # (ROWS, BLOCK)
@@ -86,14 +88,14 @@ def softmax_v2(x: torch.Tensor, rows_per_program: int | None = None) -> torch.Te
     n_rows, n_cols = x.shape
     block = triton.next_power_of_2(n_cols)
     rows = rows_per_program or max(1, min(64, 4096 // block))
-    softmax_rows_kernel[(triton.cdiv(n_rows, rows),)](x, out, n_rows, n_cols, x.stride(0), out.stride(0),
-                                                       ROWS=rows, BLOCK=block, num_warps=_warps(rows * block))
+    softmax_kernel_v2[(triton.cdiv(n_rows, rows),)](x, out, n_rows, n_cols, x.stride(0), out.stride(0),
+                                                     ROWS=rows, BLOCK=block, num_warps=_warps(rows * block))
     return out
 
 
 # ---- v3: online softmax, for rows longer than a block -----------------------------------------
 @triton.jit
-def softmax_online_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+def softmax_kernel_v3(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row * x_row_stride
     cols = tl.arange(0, BLOCK)
@@ -118,8 +120,7 @@ def softmax_v3(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     x, out = _prepare(x)
     n_rows, n_cols = x.shape
     block = min(block, triton.next_power_of_2(n_cols))
-    softmax_online_kernel[(n_rows,)](x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block,
-                                     num_warps=_warps(block))
+    softmax_kernel_v3[(n_rows,)](x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=_warps(block))
     return out
 
 

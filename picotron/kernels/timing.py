@@ -1,5 +1,7 @@
 """One timer for both machines: CUDA events on a GPU, a CPU clock in the Triton interpreter.
 
+Used by chapters/09_gpu_kernels.ipynb and benchmarks/kernels.py.
+
 `triton.testing.do_bench` times with the device's events and flushes the L2 cache before each
 run (so a bandwidth figure is HBM's, not the cache's). Without a GPU it has no device to ask and
 fails; `cpu_do_bench` takes its place, with the same call signature, so it can also be handed to
@@ -16,24 +18,9 @@ from typing import Callable
 
 import torch
 
-from picotron.kernels import INTERPRETED
+from picotron.kernels.runtime import kernel_device
 
-__all__ = ["bench", "cpu_do_bench", "kernel_device", "check_device"]
-
-
-def kernel_device() -> torch.device:
-    """Where the kernels' tensors must live: the GPU when they compile, the CPU when interpreted."""
-    return torch.device("cpu") if INTERPRETED else torch.device("cuda", torch.cuda.current_device())
-
-
-def check_device(*tensors: torch.Tensor) -> None:
-    """Raise a clear error when a tensor is not where the kernels run."""
-    want = kernel_device().type
-    for t in tensors:
-        if t.device.type != want:
-            how = "in the Triton interpreter (no GPU here)" if INTERPRETED else "compiled for the GPU"
-            raise ValueError(f"picotron.kernels runs {how}, so its tensors must be on {want}, but one is on "
-                             f"{t.device}; move it with .to('{want}')")
+__all__ = ["bench", "cpu_do_bench"]
 
 
 def cpu_do_bench(fn: Callable[[], object], warmup: int = 1, rep: int = 5, quantiles=None,

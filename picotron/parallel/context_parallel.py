@@ -1,55 +1,18 @@
 """Context parallelism: every rank holds a slice of each sequence; attention is the only op that must talk.
 
-Activation memory grows with the sequence: with s = 128k tokens even one sequence per GPU no
-longer fits, however the weights are split (Playbook, "Context Parallelism"). Everything in a
-decoder layer except attention works token by token (the norms, the q/k/v/o projections, the
-MLP), so cp ranks can each take s/cp tokens of every sequence and compute them alone, with the
-whole model replicated as in data parallelism. Attention is different: a query must see every
-earlier key and value. Two ways to give it them:
+Chapter 05 (chapters/05_context_parallel.ipynb) builds and measures it. Everything in a decoder layer
+but attention works token by token, so each of the cp ranks computes s/cp tokens of every sequence
+with the whole model replicated (its gradients averaged over dp x cp, as in data parallelism).
+Attention gets the keys and values it lacks in one of three ways (`CP_MODES`):
 
-    ring attention    the queries stay; the key/value blocks travel around the ring of cp ranks,
-                      one hop per step (Liu et al. 2023, "Ring Attention with Blockwise
-                      Transformers", arXiv:2310.01889; Playbook, "Ring Attention"). Each rank
-                      merges the blocks into its output with the online softmax (Milakov &
-                      Gimelshein 2018, arXiv:1805.02867), so no rank ever holds the (s x s) scores
-                      or more than two key/value blocks. The next block's transfer is posted
-                      before the current block is computed, so the two overlap.
-    zig-zag ring      the same ring, with a layout that balances the causal work: the sequence is
-                      cut into 2 cp chunks and rank r holds chunks r and 2cp-1-r (Playbook,
-                      "Zig-Zag Ring Attention"; Llama 3, arXiv:2407.21783, section 3.3.2). With
-                      contiguous slices rank r's queries see r+1 of the cp blocks, so the last
-                      rank computes cp times what the first does and the others wait for it.
-    Ulysses           swap the split: an all-to-all turns (tokens/cp, all heads) into (all tokens,
-                      heads/cp), every rank runs ordinary attention for its heads, and a second
-                      all-to-all swaps back (Jacobs et al. 2023, "DeepSpeed Ulysses",
-                      arXiv:2309.14509). Needs heads and key/value heads divisible by cp.
+    ring       the queries stay, the key/value blocks travel round the ring of cp ranks, merged
+               with the online softmax (picotron/parallel/online_softmax.py); each hop is posted
+               before the block it overlaps is computed
+    zigzag     the same ring, rank r holding chunks r and 2cp-1-r of 2cp: balanced causal work
+    ulysses    all-to-alls swap (tokens/cp, all heads) for (all tokens, heads/cp), ordinary attention
+               runs per head, and a second all-to-all swaps back
 
-The weights are replicated, so their gradients are averaged over the dp x cp ranks (the mesh's
-dp_cp group) exactly as in data parallelism: each rank's loss is the mean over its s/cp tokens,
-all ranks hold equally many, so the mean of the cp ranks' losses is the mean over the whole
-sequence, and averaging their gradients gives its gradient. The backward of attention
-already sends each key's gradient back to the rank that owns the key.
-
-Cost per decoder layer and rank (b batch, s sequence, c = cp, n_q / n_kv query / key-value
-heads of width d, a bytes per element):
-
-    memory          every activation of the layer covers s/c tokens instead of s: divided by c
-                    (`cp_activation_bytes_per_layer`). Ring attention keeps what a fused kernel
-                    keeps (q, k, v, output, an fp32 log-sum-exp per query row); Ulysses with SDPA
-                    keeps the output twice (head slices for the core's backward, sequence slices
-                    for o_proj).
-    ring            forward: c-1 hops of the block K,V, 2 a b (s/c) n_kv d bytes each;
-                    backward: c-1 hops of K,V again and c hops of their fp32 gradients. In fp32
-                    (3c-2)/c x 2 a b s n_kv d per layer: almost the same whatever c is, hidden
-                    behind the block computation as long as computing a block takes longer
-                    than sending one.
-    Ulysses         4 all-to-alls forward (q, k, v in, the output back), a b (s/c) d (2 n_q + 2 n_kv)
-                    bytes together, and as many backward; a rank keeps 1/c of each and sends the
-                    rest, so the bytes fall like 1/c, but nothing overlaps them and c <= n_kv.
-    (`cp_comm_per_layer` gives what CommCounter counts, `cp_comm_bytes_per_layer` the wire bytes.)
-
-How to use it (every rank builds the same model; the loader gives each cp rank its slice of the
-tokens and their position ids, which RoPE uses, so a rank's positions need not start at 0):
+Its cost formulas are in picotron/parallel/context_parallel_costs.py.
 
     model = apply_context_parallel(Llama(config), mesh, mode="zigzag")
     batch = DataLoader(..., cp_rank=mesh.cp_rank, cp_size=mesh.cp_size, zigzag=True).get_batch(step)
@@ -60,6 +23,8 @@ The model file is untouched: `apply_context_parallel` replaces each layer's `Att
 (the attention core between RoPE and o_proj) with a `ContextParallelCore`. It composes with
 tensor parallelism (each tp rank attends over its heads; Ulysses then needs heads/tp divisible
 by cp) and with recomputation (a recomputed core runs its ring or all-to-alls again in backward).
+The collectives go through picotron.comm (the ring's own hops are recorded with comm.record); to
+count them, open `comm.counting(counter)` around the forward and the backward.
 """
 
 from __future__ import annotations
@@ -75,51 +40,43 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from picotron import comm
-from picotron.comm import CommCounter
-from picotron.config import CP_MODES as MODES
-from picotron.config import ModelConfig, check_context_parallel
-# The one-device building block (the log-sum-exp merge) has its own file; reachable from here too.
-from picotron.parallel.online_softmax import (attention_block, future_mask, group_heads, merge_blocks,
-                                              online_softmax, online_softmax_attention)
+from picotron.config import ModelConfig
+from picotron.data import cp_chunks, cp_positions
+from picotron.parallel.online_softmax import attention_block, future_mask, group_heads, merge_blocks
 
-__all__ = ["MODES", "online_softmax", "attention_block", "merge_blocks", "online_softmax_attention", "cp_chunks",
-           "cp_positions", "split_sequence", "gather_sequence", "AttentionWork", "RingAttention", "ring_attention",
-           "AllToAll", "ulysses_attention", "check_context_parallel", "ContextParallelCore", "apply_context_parallel",
-           "whole_sequence", "ring_attention_work", "replay_ring_work", "cp_comm_per_layer", "cp_comm_bytes_per_layer",
-           "cp_activation_bytes_per_layer"]
+__all__ = ["CP_MODES", "check_context_parallel", "take_cp_tokens", "gather_sequence", "AttentionWork", "RingAttention",
+           "ring_attention", "UlyssesAllToAll",
+           "ulysses_attention", "ContextParallelCore", "apply_context_parallel", "whole_sequence", "replay_ring_work"]
+
+
+CP_MODES = ("ring", "zigzag", "ulysses")
+
+
+def check_context_parallel(model: ModelConfig, cp: int, mode: str, seq_len: int | None = None, tp: int = 1) -> None:
+    """Raise ValueError naming the fix if `mode` cannot split this model (and seq_len) over cp ranks."""
+    if mode not in CP_MODES:
+        raise ValueError(f"cp_mode={mode!r} is not a context-parallel mode; choose one of {CP_MODES}")
+    heads, kv_heads = model.num_attention_heads // tp, model.num_key_value_heads // tp
+    if mode == "ulysses" and (heads % cp or kv_heads % cp):
+        raise ValueError(f"Ulysses splits the heads over cp={cp} ranks, but cp={cp} does not divide the {heads} "
+                         f"query and {kv_heads} key/value heads{' per tp rank' if tp > 1 else ''}; choose a cp "
+                         f"dividing both, or cp_mode='ring' or 'zigzag'")
+    chunks = 2 * cp if mode == "zigzag" and cp > 1 else cp
+    if seq_len is not None and seq_len % chunks:
+        why = f"zig-zag cuts it into 2*cp = {chunks} chunks" if mode == "zigzag" else f"each of {cp} ranks holds 1/cp"
+        raise ValueError(f"seq_len={seq_len} does not split for cp_mode={mode!r} ({why}); "
+                         f"choose a seq_len that is a multiple of {chunks}")
 
 
 # ---- who holds which tokens ---------------------------------------------------------------------
-def cp_chunks(cp_rank: int, cp_size: int, zigzag: bool = False) -> list[int]:
-    """The chunks of the sequence a cp rank holds, in order: of cp chunks, or of 2 cp under zig-zag.
-
-    Zig-zag pairs an early chunk with a late one: rank r holds r and 2cp-1-r, so every rank's
-    queries see about as many earlier keys as any other's.
-    """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
-    return [cp_rank, 2 * cp_size - 1 - cp_rank] if zigzag else [cp_rank]
-
-
-def cp_positions(seq_len: int, cp_rank: int, cp_size: int, zigzag: bool = False) -> torch.Tensor:
-    """Positions (indices into the sequence) a cp rank holds, (seq_len / cp_size,) long."""
-    num_chunks = 2 * cp_size if zigzag else cp_size
-    if seq_len % num_chunks:
-        layout = f"zig-zag cuts it into 2*cp_size = {num_chunks} chunks" if zigzag else "each rank takes 1/cp_size"
-        raise ValueError(f"cp_size={cp_size} does not divide seq_len={seq_len} evenly ({layout}); "
-                         f"pick a seq_len that is a multiple of {num_chunks}")
-    width = seq_len // num_chunks
-    return torch.cat([torch.arange(c * width, (c + 1) * width) for c in cp_chunks(cp_rank, cp_size, zigzag)])
-
-
-def split_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, zigzag: bool = False, dim: int = 2) -> torch.Tensor:
+def take_cp_tokens(x: torch.Tensor, cp_rank: int, cp_size: int, zigzag: bool = False, dim: int = 2) -> torch.Tensor:
     """This cp rank's tokens of a whole-sequence tensor (no communication), along `dim`."""
     index = cp_positions(x.shape[dim], cp_rank, cp_size, zigzag).to(x.device)
     return x.index_select(dim, index)
 
 
 def gather_sequence(pieces: list[torch.Tensor], zigzag: bool = False, dim: int = 2) -> torch.Tensor:
-    """The inverse of `split_sequence`: the whole sequence from every rank's piece (rank order)."""
+    """The inverse of `take_cp_tokens`: the whole sequence from every rank's piece (rank order)."""
     cp_size, seq = len(pieces), sum(p.shape[dim] for p in pieces)
     index = torch.cat([cp_positions(seq, r, cp_size, zigzag) for r in range(cp_size)]).to(pieces[0].device)
     whole = torch.cat(pieces, dim=dim)
@@ -133,7 +90,8 @@ class AttentionWork:
     computed, their matmul FLOPs, seconds computing them and seconds waiting for a transfer.
 
     Pass one to `ring_attention` (or `apply_context_parallel`) to see the causal imbalance: with
-    contiguous slices the last rank computes cp times the first's blocks and the first waits.
+    contiguous slices the last rank computes cp times the first's blocks and the first waits
+    (context_parallel_costs.ring_attention_work writes the counts down).
     """
 
     blocks: int = 0
@@ -160,15 +118,14 @@ class _RingHop:
     Both sides are posted at once (a rank that only sent would wait for a neighbour that is also
     only sending); `wait` returns the received tensor. picotron.comm.send_recv does the same but
     blocks, and the point here is to compute while the bytes move, so the hop is posted with
-    batch_isend_irecv and counted in the counter as comm.send_recv counts it ("send").
+    batch_isend_irecv and recorded (comm.record) as comm.send_recv counts it ("send").
     """
 
-    def __init__(self, tensor: torch.Tensor, group, counter: CommCounter | None):
+    def __init__(self, tensor: torch.Tensor, group):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         next_rank, prev_rank = dist.get_global_rank(group, (me + 1) % cp), dist.get_global_rank(group, (me - 1) % cp)
         self.outgoing, self.incoming = tensor, torch.empty_like(tensor)   # both must live until wait()
-        if counter is not None:
-            counter.record("send", tensor.numel() * tensor.element_size())
+        comm.record("send", tensor)
         self.requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, next_rank, group),
                                                 dist.P2POp(dist.irecv, self.incoming, prev_rank, group)])
 
@@ -231,7 +188,7 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, zigzag, counter, work):
+    def forward(ctx, q, k, v, group, zigzag, work):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         mine = cp_chunks(me, cp, zigzag)
         n = len(mine)
@@ -243,7 +200,7 @@ class RingAttention(torch.autograd.Function):
         q_chunks = q.chunk(n, dim=2)                                  # (b, heads, s/cp/n, d) each
         kv = torch.stack([k, v])                                      # (2, b, kv_heads, s/cp, d): one message
         for step in range(cp):
-            hop = _RingHop(kv, group, counter) if step < cp - 1 else None   # the next block moves meanwhile
+            hop = _RingHop(kv, group) if step < cp - 1 else None   # the next block moves meanwhile
             theirs = cp_chunks((me - step) % cp, cp, zigzag)
             k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
             start, pairs = time.perf_counter(), list(_pairs(mine, theirs))
@@ -258,13 +215,13 @@ class RingAttention(torch.autograd.Function):
         out.copy_(torch.cat(outs, dim=2))
         lse = torch.cat(lses, dim=2)                                  # (b, heads, s/cp) fp32
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.zigzag, ctx.counter, ctx.work = group, zigzag, counter, work
+        ctx.group, ctx.zigzag, ctx.work = group, zigzag, work
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, zigzag, counter, work = ctx.group, ctx.zigzag, ctx.counter, ctx.work
+        group, zigzag, work = ctx.group, ctx.zigzag, ctx.work
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         mine = cp_chunks(me, cp, zigzag)
         n = len(mine)
@@ -276,7 +233,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])                                      # (2, b, kv_heads, s/cp, d)
         grad_hop = None
         for step in range(cp):
-            hop = _RingHop(kv, group, counter) if step < cp - 1 else None
+            hop = _RingHop(kv, group) if step < cp - 1 else None
             theirs = cp_chunks((me - step) % cp, cp, zigzag)
             k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this block's, from our queries
@@ -291,47 +248,48 @@ class RingAttention(torch.autograd.Function):
             _record(work, start, len(pairs), len(pairs) * _pair_flops(q_chunks[0], matmuls=5))
             if grad_hop is not None:                                  # what the ranks before us gave this block
                 dkv += grad_hop.wait(work)
-            grad_hop = _RingHop(dkv, group, counter) if cp > 1 else None   # fp32: c additions, no bf16 rounding
+            grad_hop = _RingHop(dkv, group) if cp > 1 else None   # fp32: c additions, no bf16 rounding
             if hop is not None:
                 kv = hop.wait(work)
         if grad_hop is not None:
             dkv = grad_hop.wait(work)                                 # our own block, every rank's share added
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, zigzag: bool = False,
-                   counter: CommCounter | None = None, work: AttentionWork | None = None) -> torch.Tensor:
+                   work: AttentionWork | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, split over `group`.
 
     q: (batch, heads, s/cp, d), k, v: (batch, kv_heads, s/cp, d), this rank's tokens: a contiguous
     slice (rank r: [r s/cp, (r+1) s/cp)) or, with zigzag=True, chunks r and 2cp-1-r of 2 cp.
     Returns (batch, heads, s/cp, d), this rank's rows of softmax(q k^T / sqrt(d)) v.
     """
-    return RingAttention.apply(q, k, v, group, zigzag, counter, work)
+    return RingAttention.apply(q, k, v, group, zigzag, work)
 
 
 # ---- Ulysses -----------------------------------------------------------------------------------------
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, counter) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
     """Cut `x` into cp pieces along scatter_dim, send piece j to rank j, join what arrives along gather_dim."""
     cp = dist.get_world_size(group)
     send = torch.stack(x.chunk(cp, dim=scatter_dim))                  # (cp, ...): piece j goes to rank j
     received = torch.empty_like(send)                                 # received[j]: rank j's piece for us
-    comm.all_to_all(received, send, group=group, counter=counter)
+    comm.all_to_all(received, send, group=group)
     return torch.cat(received.unbind(0), dim=gather_dim)              # rank 0's piece first
 
 
-class AllToAll(torch.autograd.Function):
-    """Move the split of a tensor from one dimension to another; backward moves it back."""
+class UlyssesAllToAll(torch.autograd.Function):
+    """Ulysses' exchange: move the split of a tensor from one dimension to another (sequence <-> heads);
+    backward moves it back."""
 
     @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group, counter):
-        ctx.dims, ctx.group, ctx.counter = (scatter_dim, gather_dim), group, counter
-        return _all_to_all(x, scatter_dim, gather_dim, group, counter)
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
 
     @staticmethod
     def backward(ctx, grad):
         scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group, ctx.counter), None, None, None, None
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
 def _causal_sdpa(q, k, v):
@@ -339,7 +297,7 @@ def _causal_sdpa(q, k, v):
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
-                      attend: Callable = _causal_sdpa, counter: CommCounter | None = None) -> torch.Tensor:
+                      attend: Callable = _causal_sdpa) -> torch.Tensor:
     """Causal attention with the sequence split over `group`, by swapping the split to the heads.
 
     q: (batch, heads, s/cp, d), k, v: (batch, kv_heads, s/cp, d), contiguous slices in rank order.
@@ -350,9 +308,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
         raise ValueError(f"Ulysses gives each of the cp={cp} ranks whole heads, but there are {q.shape[1]} query "
                          f"and {k.shape[1]} key/value heads; choose cp dividing both, or use ring attention")
     # (batch, heads, s/cp, d) -> (batch, heads/cp, s, d): all tokens, our heads
-    q, k, v = (AllToAll.apply(t, 1, 2, group, counter) for t in (q, k, v))
+    q, k, v = (UlyssesAllToAll.apply(t, 1, 2, group) for t in (q, k, v))
     out = attend(q, k, v)                                             # (batch, heads/cp, s, d)
-    return AllToAll.apply(out, 2, 1, group, counter)                  # (batch, heads, s/cp, d)
+    return UlyssesAllToAll.apply(out, 2, 1, group)                    # (batch, heads, s/cp, d)
 
 
 # ---- applying it to the Llama -----------------------------------------------------------------------
@@ -362,24 +320,22 @@ class ContextParallelCore:
     `whole_sequence` switches it off (enabled=False): then it is the layer's own core again.
     """
 
-    def __init__(self, local_attend: Callable, group, mode: str, counter: CommCounter | None = None,
-                 work: AttentionWork | None = None):
+    def __init__(self, local_attend: Callable, group, mode: str, work: AttentionWork | None = None):
         self.local_attend, self.group, self.mode = local_attend, group, mode
-        self.counter, self.work, self.enabled = counter, work, True
+        self.work, self.enabled = work, True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.enabled or dist.get_world_size(self.group) == 1:
             return self.local_attend(q, k, v)
         if self.mode == "ulysses":
-            return ulysses_attention(q, k, v, self.group, attend=self.local_attend, counter=self.counter)
-        return ring_attention(q, k, v, self.group, zigzag=self.mode == "zigzag", counter=self.counter, work=self.work)
+            return ulysses_attention(q, k, v, self.group, attend=self.local_attend)
+        return ring_attention(q, k, v, self.group, zigzag=self.mode == "zigzag", work=self.work)
 
     def __repr__(self) -> str:
         return f"ContextParallelCore(mode={self.mode!r}, cp={dist.get_world_size(self.group)})"
 
 
-def apply_context_parallel(model, mesh, mode: str = "zigzag", *, counter: CommCounter | None = None,
-                           work: AttentionWork | None = None):
+def apply_context_parallel(model, mesh, mode: str = "zigzag", *, work: AttentionWork | None = None):
     """Make every layer of a Llama attend over a sequence split over mesh.cp_group, in place.
 
     Afterwards feed each cp rank its tokens and their position ids (`cp_positions`; the loader's
@@ -387,14 +343,13 @@ def apply_context_parallel(model, mesh, mode: str = "zigzag", *, counter: CommCo
     those tokens. mode: "ring" (contiguous slices), "zigzag" (ring, balanced layout) or "ulysses"
     (contiguous slices, heads all-to-all). Under "ring" and "zigzag" ring attention is the whole
     core, so the model's attention="eager" or "sdpa" makes no difference; Ulysses wraps the
-    model's own core. counter: mesh.counter by default.
+    model's own core.
     """
     check_context_parallel(model.config, mesh.cp_size, mode, tp=mesh.tp_size)   # tp: heads per rank
-    counter = mesh.counter if counter is None else counter
     for layer in model.layers:
         attn = layer.attn
         local = attn.attend.local_attend if isinstance(attn.attend, ContextParallelCore) else attn.attend
-        attn.attend = ContextParallelCore(local, mesh.cp_group, mode, counter, work)   # shadows the method
+        attn.attend = ContextParallelCore(local, mesh.cp_group, mode, work)   # shadows the method
     return model
 
 
@@ -415,27 +370,7 @@ def whole_sequence(model) -> Iterator[None]:
             core.enabled = True
 
 
-# ---- cost formulas ----------------------------------------------------------------------------------
-def ring_attention_work(batch: int, seq: int, heads: int, head_dim: int, cp: int, zigzag: bool = False,
-                        backward: bool = False) -> list[dict[str, int]]:
-    """Per rank: the chunk pairs ring attention computes in one pass, and their matmul FLOPs.
-
-    Counted from the schedule (`_pairs` at every step). A pair of chunks of c queries and c keys
-    costs 2 matmuls of 2 c^2 d FLOPs per head forward, 5 backward (scores again, dV, dP, dQ, dK).
-    Contiguous slices: rank r computes r+1 pairs of (s/cp)^2. Zig-zag: every rank 2cp+1 pairs of
-    (s/2cp)^2, so the slowest rank does (2cp+1)/(4cp) of the contiguous layout's slowest: about half.
-    """
-    chunks = 2 * cp if zigzag else cp
-    c = seq // chunks
-    per_pair = (5 if backward else 2) * 2 * batch * heads * c * c * head_dim
-    work = []
-    for rank in range(cp):
-        blocks = sum(len(list(_pairs(cp_chunks(rank, cp, zigzag), cp_chunks((rank - step) % cp, cp, zigzag))))
-                     for step in range(cp))
-        work.append({"blocks": blocks, "flops": blocks * per_pair})
-    return work
-
-
+# ---- replaying each rank's work ---------------------------------------------------------------
 def replay_ring_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, zigzag: bool = False,
                      repeats: int = 3) -> list[dict[str, float]]:
     """Each cp rank's forward ring-attention computations, replayed one rank after another on this device.
@@ -449,11 +384,11 @@ def replay_ring_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
     for rank in range(cp):
         mine = cp_chunks(rank, cp, zigzag)
         n = len(mine)
-        q_chunks = split_sequence(q, rank, cp, zigzag).chunk(n, dim=2)
+        q_chunks = take_cp_tokens(q, rank, cp, zigzag).chunk(n, dim=2)
         blocks = []                                   # (key chunks, value chunks, pairs) at each ring step
         for src in ((rank - step) % cp for step in range(cp)):
-            k_chunks = split_sequence(k, src, cp, zigzag).chunk(n, dim=2)
-            v_chunks = split_sequence(v, src, cp, zigzag).chunk(n, dim=2)
+            k_chunks = take_cp_tokens(k, src, cp, zigzag).chunk(n, dim=2)
+            v_chunks = take_cp_tokens(v, src, cp, zigzag).chunk(n, dim=2)
             blocks.append((k_chunks, v_chunks, list(_pairs(mine, cp_chunks(src, cp, zigzag)))))
         best = math.inf
         for _ in range(repeats):
@@ -465,75 +400,3 @@ def replay_ring_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
         count = sum(len(pairs) for _, _, pairs in blocks)
         per_rank.append({"blocks": count, "flops": count * _pair_flops(q_chunks[0], matmuls=2), "seconds": best})
     return per_rank
-
-
-def cp_comm_per_layer(config: ModelConfig, batch: int, seq: int, cp: int, mode: str,
-                      dtype_bytes: int = 4) -> dict[str, dict[str, tuple[int, int]]]:
-    """What one decoder layer hands to the collectives on each rank, as CommCounter counts it.
-
-    {"forward": {op: (calls, payload bytes)}, "backward": {...}}. Ring and zig-zag: the K,V block,
-    2 a b (s/cp) n_kv d, sent cp-1 times forward and again backward, plus its fp32 gradient sent cp
-    times backward. Ulysses: 4 all-to-alls of q, k, v, output per pass, the whole local tensor
-    each. Without recomputation ("selective" and "full" run the forward's once more in backward).
-    """
-    check_context_parallel(config, cp, mode)
-    if cp == 1:
-        return {"forward": {}, "backward": {}}
-    tokens, d = batch * (seq // cp), config.head_dim
-    if mode == "ulysses":
-        both = {"all_to_all": (4, dtype_bytes * tokens * d * (2 * config.num_attention_heads
-                                                              + 2 * config.num_key_value_heads))}
-        return {"forward": both, "backward": dict(both)}
-    kv_block = 2 * tokens * config.num_key_value_heads * d                       # elements of K and V
-    return {"forward": {"send": (cp - 1, (cp - 1) * kv_block * dtype_bytes)},
-            "backward": {"send": (2 * cp - 1, (cp - 1) * kv_block * dtype_bytes + cp * kv_block * 4)}}
-
-
-def cp_comm_bytes_per_layer(config: ModelConfig, batch: int, seq: int, cp: int, mode: str,
-                            dtype_bytes: int = 4) -> int:
-    """Bytes each rank puts on the wire per layer per training step (forward + backward).
-
-    A ring hop sends all it is given; an all-to-all keeps 1/cp of its input (the piece for itself)
-    and sends the rest. For comparison: the ring's total barely changes with cp, Ulysses' falls as 1/cp.
-    """
-    counted = cp_comm_per_layer(config, batch, seq, cp, mode, dtype_bytes)
-    total = sum(nbytes for pass_ in counted.values() for _, nbytes in pass_.values())
-    return total * (cp - 1) // cp if mode == "ulysses" else total
-
-
-def cp_activation_bytes_per_layer(config: ModelConfig, batch: int, seq: int, cp: int, mode: str = "zigzag",
-                                  dtype_bytes: int = 4) -> int:
-    """Bytes one decoder layer saves for backward on each cp rank, counted like memory.activation_bytes_per_layer.
-
-    Every term of that formula is per token, so with n = b s/cp tokens on this rank (a bytes per
-    element, h hidden, n_q / n_kv heads of width d, f MLP width):
-
-        RMSNorm, twice   (4 + 2a) n h + 4 n
-        attention        a n (2 n_q d + 2 n_kv d)      q, k after RoPE, v, output
-            ring         + 4 b n_q s/cp                fp32 log-sum-exp (whatever config.attention says)
-            Ulysses      + memory.attention_core_bytes at the full s, / cp (the core sees n_q/cp heads
-                         of all s tokens: eager's probabilities are a b n_q s^2 / cp, not / cp^2)
-                         + a n n_q d under sdpa        its output twice: SDPA keeps it in head slices for
-                                                       its backward, o_proj in sequence slices (eager's
-                                                       core keeps no output, only o_proj does)
-        SwiGLU MLP       4 a n f
-    "selective" recomputation drops the two core lines, "full" keeps a n h, the layer input.
-    At cp=1 this is the plain model's formula (for "ring"/"zigzag" with attention="sdpa").
-    """
-    from picotron.memory import attention_core_bytes, rms_norm_bytes   # memory imports the trainer: import late
-    check_context_parallel(config, cp, mode)
-    a, h, d = dtype_bytes, config.hidden_size, config.head_dim
-    tokens = batch * (seq // cp)
-    if config.recompute == "full":
-        return a * tokens * h
-    norms = 2 * rms_norm_bytes(tokens, h, a)
-    attention = a * tokens * (2 * config.num_attention_heads * d + 2 * config.num_key_value_heads * d)
-    mlp = 4 * a * tokens * config.intermediate_size
-    if config.recompute == "none":
-        if mode == "ulysses":
-            attention += attention_core_bytes(config, batch, seq, a) // cp
-            if cp > 1 and config.attention == "sdpa":
-                attention += a * tokens * config.num_attention_heads * d
-        else:
-            attention += 4 * batch * config.num_attention_heads * (seq // cp)
-    return norms + attention + mlp

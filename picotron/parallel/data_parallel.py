@@ -25,7 +25,8 @@ inside `DataParallel.no_sync()` gradients only add up locally, and the last micr
 backward syncs them once (Playbook, "Adding gradient accumulation").
 
 `all_reduce_gradients` (one flat all-reduce after backward) is the plain version the trainer
-uses, and `broadcast_parameters` makes the replicas start identical.
+uses, and `broadcast_parameters` makes the replicas start identical. To measure what they send,
+open `picotron.comm.counting()` around the work. Chapter: chapters/02_data_parallel.ipynb.
 """
 
 from __future__ import annotations
@@ -39,22 +40,20 @@ import torch.distributed as dist
 from torch import nn
 
 from picotron import comm
-from picotron.comm import CommCounter
 
 __all__ = ["broadcast_parameters", "all_reduce_gradients", "all_reduce_each_gradient", "assign_buckets",
            "GradBucket", "DataParallel"]
 
 
-def broadcast_parameters(model: nn.Module, group: dist.ProcessGroup, *, counter: CommCounter | None = None) -> None:
+def broadcast_parameters(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Copy the first dp rank's weights to the others, so replicas start identical whatever the seed."""
     src = dist.get_global_rank(group, 0)
     for param in model.parameters():
-        comm.broadcast(param.data, src=src, group=group, counter=counter)
+        comm.broadcast(param.data, src=src, group=group)
 
 
 # ---- after backward: naive and flat ------------------------------------------------------------
-def all_reduce_each_gradient(model: nn.Module, group: dist.ProcessGroup, *,
-                             counter: CommCounter | None = None) -> None:
+def all_reduce_each_gradient(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Naive DP: average each gradient over `group` with its own blocking all-reduce, after backward.
 
     Correct, and as slow as it gets: one collective latency per parameter tensor, and none of
@@ -63,11 +62,11 @@ def all_reduce_each_gradient(model: nn.Module, group: dist.ProcessGroup, *,
     world = dist.get_world_size(group)
     for param in model.parameters():
         if param.grad is not None:
-            comm.all_reduce(param.grad, group=group, counter=counter)  # sum over ranks
-            param.grad.div_(world)                                      # sum -> mean
+            comm.all_reduce(param.grad, group=group)  # sum over ranks
+            param.grad.div_(world)                     # sum -> mean
 
 
-def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup, *, counter: CommCounter | None = None) -> None:
+def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Average the gradients over the ranks of `group`, with one all-reduce of a flat buffer.
 
     One big all-reduce instead of one per parameter: each call pays a fixed latency, and
@@ -78,8 +77,8 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup, *, counter:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])    # (total params,)
-    comm.all_reduce(flat, group=group, counter=counter)  # sum over ranks
-    flat.div_(world)                                     # sum -> mean
+    comm.all_reduce(flat, group=group)                  # sum over ranks
+    flat.div_(world)                                    # sum -> mean
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -116,8 +115,8 @@ class GradBucket:
     all-reduce, for timeline pictures.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, counter: CommCounter | None = None):
-        self.params, self.group, self.counter = params, group, counter
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup):
+        self.params, self.group = params, group
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                   device=params[0].device)   # (bucket numel,)
         self.views: dict[nn.Parameter, torch.Tensor] = {}
@@ -161,7 +160,7 @@ class GradBucket:
         # Divide before summing, as DDP does: the same mean, and an fp16/bf16 sum cannot overflow.
         self.buffer.div_(dist.get_world_size(self.group))
         self.launched_at, self.done_at = time.perf_counter(), None
-        self.work = comm.all_reduce(self.buffer, group=self.group, counter=self.counter, async_op=True)
+        self.work = comm.all_reduce(self.buffer, group=self.group, async_op=True)
         self.work.get_future().then(self._record_done)
 
     def _record_done(self, future) -> None:
@@ -178,7 +177,7 @@ class GradBucket:
 class DataParallel:
     """Average the gradients of `model` over `group`, bucketed and overlapped with the backward pass.
 
-        dp = DataParallel(model, mesh.dp_group, bucket_mb=25, counter=mesh.counter)
+        dp = DataParallel(model, mesh.dp_group, bucket_mb=25)
         for micro_step in range(accum):
             with dp.no_sync() if micro_step < accum - 1 else nullcontext():
                 loss_fn(model(x), y).backward()   # buckets all-reduce while backward runs
@@ -194,21 +193,20 @@ class DataParallel:
         order backward finishes them, so the first bucket fills first.
     overlap: launch each bucket's all-reduce from the hook as soon as it is full (True), or
         all of them in `finish_gradient_sync` after backward (False, to measure what overlap buys).
-    counter: a CommCounter to record the all-reduces (and the initial broadcast) in.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0,
-                 overlap: bool = True, counter: CommCounter | None = None):
+                 overlap: bool = True):
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be >= 0 (0: one bucket per parameter)")
-        self.model, self.group, self.overlap, self.counter = model, group, overlap, counter
+        self.model, self.group, self.overlap = model, group, overlap
         self.require_sync = True
-        broadcast_parameters(model, group, counter=counter)  # replicas must start identical
+        broadcast_parameters(model, group)  # replicas must start identical
         params = [p for p in model.parameters() if p.requires_grad]  # a tied weight appears once
         if not params:
             raise ValueError(f"{type(model).__name__} has no parameter that requires grad: nothing to average")
         bucket_numel = int(bucket_mb * 2**20) // params[0].element_size()
-        self.buckets = [GradBucket(chunk, group, counter) for chunk in assign_buckets(params[::-1], bucket_numel)]
+        self.buckets = [GradBucket(chunk, group) for chunk in assign_buckets(params[::-1], bucket_numel)]
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.names = {p: name for name, p in model.named_parameters()}
         for param in params:

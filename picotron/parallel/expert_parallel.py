@@ -1,14 +1,8 @@
 """Expert parallelism: the experts of a mixture-of-experts layer split over ranks, tokens sent to them.
 
-A mixture of experts (MoE) replaces a layer's one MLP by E expert MLPs and a router that sends
-each token to its top k of them (Shazeer et al. 2017, "Outrageously Large Neural Networks",
-arXiv:1701.06538). Parameters grow E times, compute per token only k times: picotron.model.MoE,
-with the router, the capacity and the load-balancing loss of GShard (Lepikhin et al. 2020,
-arXiv:2006.16668) and Switch Transformer (Fedus et al. 2021, arXiv:2101.03961).
-
-Expert parallelism (GShard; Playbook, "Expert parallelism") gives each of the ep ranks E/ep whole
-experts. The router and everything else in the model stay replicated, and each rank routes its
-own tokens; then, in every MoE layer:
+Expert parallelism (GShard, Lepikhin et al. 2020, arXiv:2006.16668; Playbook, "Expert parallelism")
+gives each of the ep ranks E/ep whole experts of picotron.model.MoE; the router and the rest of the
+model stay replicated, and each rank routes its own tokens. In every MoE layer:
 
     permute   sort this rank's (token, expert) slots by expert, hence by the rank owning it
     counts    all-to-all of the slot counts: each rank learns how many rows it will receive
@@ -16,57 +10,21 @@ own tokens; then, in every MoE layer:
     compute   regroup the received rows by local expert, run each expert on its rows
     combine   the reverse all-to-all brings the outputs home; sum them weighted by the gates
 
-Both all-to-alls sit in an autograd Function whose backward is the reverse all-to-all, so the
-gradients travel back the same way and every expert's weight gradient covers the tokens of all
-ep ranks.
+Both row all-to-alls are `TokenAllToAll`, whose backward is the reverse all-to-all. The ep groups are
+carved out of the data-parallel (or dp x cp) ranks, not a mesh axis of their own (docs/design.md,
+"Expert parallelism inside data parallelism"); `average_gradients` then averages the expert and the
+other gradients over the right ranks.
 
-Cost per MoE layer and rank (T tokens on the rank, k = top_k, h hidden, a bytes per element,
-E experts, dropless):
-
-    communication  dispatch and combine each move the rank's T k rows forward, and again in
-                   backward: payload 4 T k h a averaged over the ep ranks (`ep_comm_bytes`;
-                   `ep_comm_per_layer` gives the exact counted bytes from the actual splits),
-                   of which (ep-1)/ep leaves the rank when the load is balanced. Plus the
-                   counts (8 E bytes) and the load all-reduce for the balancing loss (8 E bytes).
-                   The splits follow the router: a popular expert's rank receives more, and
-                   every rank waits for the slowest; the balancing loss (or a capacity) keeps
-                   that in check. Two all-to-alls per layer and pass on the critical path:
-                   EP wants fast all-to-all links (inside a node, or a good network).
-    memory         expert weights, gradients and optimizer state divided by ep: for a large E
-                   that is most of the model. Activations: the experts' grow with the rows
-                   received, T k per rank when balanced, more on a popular expert's rank.
-
-How data parallelism composes with it. EP carves its groups out of the data-parallel ranks
-(DESIGN.md: "out of dp (or dp x cp)"): with dp = 4, ep = 2 the dp ranks {0, 1} and {2, 3} are
-two ep groups, and {0, 2}, {1, 3} hold the same experts (the expert-dp groups, dp/ep replicas;
-times cp when cp > 1). After backward (`average_gradients`):
-
-    non-expert parameters  the gradient of this rank's tokens: average over all dp (x cp) ranks
-    expert parameters      already the sum over the ep group's tokens (the all-to-all's backward
-                           brought them): sum over the expert-dp replicas, divide by dp (x cp)
-
-so every parameter's gradient is that of the mean loss over the global batch, as on one process.
-The load statistics of the balancing loss are all-reduced over the same dp (x cp) ranks, so the
-loss too is one process's on the global batch.
-
-How to use it (every rank builds the same model first, e.g. same seed, and feeds its own tokens):
-
-    model = Llama(config)                                   # config.num_experts > 0
+    model = Llama(config)                                   # config.num_experts > 0, same weights on every rank
     groups = expert_parallel_groups(mesh, ep=2)             # from mesh's dp (x cp) ranks
-    apply_expert_parallel(model, groups, counter=mesh.counter)   # keeps this rank's experts
+    apply_expert_parallel(model, groups)                    # keeps this rank's experts
     loss = loss_fn(model(input_ids), targets) + model.aux_loss()
     loss.backward()
-    average_gradients(model, groups, counter=mesh.counter)
-    loads = [moe.last_load for moe in model.moe_layers()]  # tokens per expert this step, whole batch
+    average_gradients(model, groups)
 
-Capacity (moe_capacity_factor) is decided by each rank on its own tokens, before dispatch
-(GShard's groups): an expert takes at most capacity slots from each rank. So EP drops exactly
-what one process would drop on that rank's tokens, not what it would drop on the global batch.
-
-EP computes what one process computes, up to the order of floating-point sums. Routing is
-discontinuous, though: a token whose k-th and (k+1)-th expert scores nearly tie can pick another
-expert once those tiny differences have grown through a few optimizer steps, and from then on
-the runs differ by more than rounding. tests/test_expert_parallel.py measures how rare that is.
+To measure what it sends, open `picotron.comm.counting()` around the work (`ep_comm_per_layer` is
+the exact count, `ep_comm_bytes` the formula). The cost per layer, how data parallelism composes with
+it, capacity, and why routing makes "equal to one process" fragile: chapters/07_expert_parallel.ipynb.
 """
 
 from __future__ import annotations
@@ -79,13 +37,12 @@ import torch.distributed as dist
 from torch import nn
 
 from picotron import comm
-from picotron.comm import CommCounter
 from picotron.config import ModelConfig
 from picotron.mesh import Mesh
 from picotron.model import MoE, Routing, combine, load_balancing_loss, route, run_experts
 
-__all__ = ["ExpertParallelGroups", "expert_parallel_groups", "check_expert_parallel", "all_to_all",
-           "ExpertParallelMoE", "apply_expert_parallel", "average_gradients", "clip_grad_norm_",
+__all__ = ["ExpertParallelGroups", "expert_parallel_groups", "check_expert_parallel", "TokenAllToAll",
+           "all_to_all_tokens", "ExpertParallelMoE", "apply_expert_parallel", "average_gradients",
            "ep_comm_per_layer", "ep_comm_bytes"]
 
 
@@ -155,10 +112,15 @@ def expert_parallel_groups(mesh: Mesh, ep: int | None = None) -> ExpertParallelG
                                 data_group=mesh.dp_cp_group)
 
 
-def check_expert_parallel(config: ModelConfig, ep: int) -> None:
-    """Raise ValueError if the model has no experts, or they cannot be split evenly over ep ranks."""
+def check_expert_parallel(config: ModelConfig, ep: int, dp: int | None = None) -> None:
+    """Raise ValueError if ep does not divide the dp ranks it is carved from (when dp is given), the model
+    has no experts, or they cannot be split evenly over ep ranks."""
+    if dp is not None and dp % ep:
+        raise ValueError(f"ep={ep} does not divide dp={dp}: expert parallelism splits the dp ranks into groups "
+                         f"of ep; choose ep among {[d for d in range(1, dp + 1) if dp % d == 0]}")
     if config.num_experts == 0:
-        raise ValueError("expert parallelism needs a mixture-of-experts model; set ModelConfig.num_experts > 0")
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model: set ModelConfig.num_experts > 0 (preset "
+                         f"'tiny-moe' has 8)")
     _check_experts_divide(config.num_experts, ep)
 
 
@@ -170,37 +132,35 @@ def _check_experts_divide(num_experts: int, ep: int) -> None:
 
 
 # ---- the all-to-all, differentiable -------------------------------------------------------------
-def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
-                counter: CommCounter | None) -> torch.Tensor:
+def _exchange_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Rows input_splits[j] of `x` go to rank j; output_splits[j] rows come from rank j, in rank order."""
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    comm.all_to_all(out, x, output_splits, input_splits, group=group, counter=counter)
+    comm.all_to_all(out, x, output_splits, input_splits, group=group)
     return out
 
 
-class AllToAll(torch.autograd.Function):
-    """All-to-all forward; the reverse all-to-all (splits swapped) backward.
+class TokenAllToAll(torch.autograd.Function):
+    """Token rows to their experts' ranks: all-to-all forward; the reverse all-to-all (splits swapped) backward.
 
     Row i sent to rank j arrives there as some row i'; the gradient of i' is exactly what row i's
     gradient is, and it lies on rank j: sending it back the way it came is the whole backward.
     """
 
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group, counter):
-        ctx.splits, ctx.group, ctx.counter = (output_splits, input_splits), group, counter
-        return _all_to_all(x, output_splits, input_splits, group, counter)
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _exchange_rows(x, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group, ctx.counter), None, None, None, None
+        return _exchange_rows(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
-def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
-               counter: CommCounter | None = None) -> torch.Tensor:
+def all_to_all_tokens(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Differentiable all-to-all of rows with uneven splits: (sum input_splits, ...) -> (sum output_splits, ...)."""
-    return AllToAll.apply(x, output_splits, input_splits, group, counter)
+    return TokenAllToAll.apply(x, output_splits, input_splits, group)
 
 
 def _by_local_expert(received_counts: torch.Tensor) -> torch.Tensor:
@@ -226,9 +186,9 @@ class ExpertParallelMoE(nn.Module):
     rows per ep rank for the communication formulas.
     """
 
-    def __init__(self, moe: MoE, groups: ExpertParallelGroups, counter: CommCounter | None = None):
+    def __init__(self, moe: MoE, groups: ExpertParallelGroups):
         super().__init__()
-        self.groups, self.counter = groups, counter
+        self.groups = groups
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.capacity_factor, self.aux_loss_coef = moe.capacity_factor, moe.aux_loss_coef
         ep, ep_rank = groups.ep, groups.ep_rank
@@ -262,7 +222,7 @@ class ExpertParallelMoE(nn.Module):
         """
         load = routing.load.clone()
         if self.groups.data_size > 1:
-            comm.all_reduce(load, group=self.groups.data_group, counter=self.counter)   # (experts,)
+            comm.all_reduce(load, group=self.groups.data_group)   # (experts,)
         self.aux_loss = self.aux_loss_coef * load_balancing_loss(load, routing.mean_probs)
         self.last_load, self.last_dropped = load, routing.dropped
 
@@ -270,18 +230,18 @@ class ExpertParallelMoE(nn.Module):
         """Send the slots to their experts' ranks, run the local experts, bring the outputs back."""
         ep, group = self.groups.ep, self.groups.ep_group
         received_counts = torch.empty_like(counts)                      # (experts,) = (ep * local,)
-        comm.all_to_all(received_counts, counts, group=group, counter=self.counter)
+        comm.all_to_all(received_counts, counts, group=group)
         received_counts = received_counts.view(ep, self.num_local)      # [s, j]: from rank s for my expert j
         # The splits must be Python ints: on a GPU, .tolist() waits for the counts (a host sync per layer).
         sent = counts.view(ep, self.num_local).sum(dim=1).tolist()      # rows to each rank
         received = received_counts.sum(dim=1).tolist()                  # rows from each rank
         self.last_splits = (sent, received)
-        rows = all_to_all(slots, received, sent, group, self.counter)   # (received rows, hidden), by source rank
+        rows = all_to_all_tokens(slots, received, sent, group)          # (received rows, hidden), by source rank
         order = _by_local_expert(received_counts)
         per_expert = received_counts.sum(dim=0).tolist()                # rows for each local expert
         outputs = run_experts(self.experts.values(), rows[order], per_expert)   # (received rows, hidden), by expert
         outputs = outputs[order.argsort()]                              # back to (source rank, expert) order
-        return all_to_all(outputs, sent, received, group, self.counter)  # (kept slots, hidden), as sent
+        return all_to_all_tokens(outputs, sent, received, group)        # (kept slots, hidden), as sent
 
 
 def _as_groups(where) -> ExpertParallelGroups:
@@ -292,25 +252,22 @@ def _as_groups(where) -> ExpertParallelGroups:
     return ExpertParallelGroups.from_group(where)
 
 
-def apply_expert_parallel(model: nn.Module, where, *, counter: CommCounter | None = None) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, where) -> nn.Module:
     """Split every MoE layer of a plain model over the ep ranks, in place; it computes what it did.
 
     `where`: ExpertParallelGroups (from `expert_parallel_groups`), a Mesh (ep = its whole dp axis),
     or a process group (plain EP over it, no data-parallel replicas). The model must be identical on
     every rank (same seed, or broadcast first); each rank keeps its E/ep experts and frees the rest.
-    counter: mesh.counter by default when a Mesh is given.
     """
     groups = _as_groups(where)
-    if counter is None and isinstance(where, Mesh):
-        counter = where.counter
     check_expert_parallel(model.config, groups.ep)
     for layer in model.layers:
         if isinstance(layer.mlp, MoE):
-            layer.mlp = ExpertParallelMoE(layer.mlp, groups, counter)
+            layer.mlp = ExpertParallelMoE(layer.mlp, groups)
     return model
 
 
-def average_gradients(model: nn.Module, groups: ExpertParallelGroups, *, counter: CommCounter | None = None) -> None:
+def average_gradients(model: nn.Module, groups: ExpertParallelGroups) -> None:
     """Make every gradient that of the mean loss over the global batch (after backward).
 
     Non-expert parameters: average over the data ranks (plain data parallelism). Expert
@@ -321,38 +278,17 @@ def average_gradients(model: nn.Module, groups: ExpertParallelGroups, *, counter
     params = [p for p in model.parameters() if p.grad is not None]
     dense = [p for p in params if not getattr(p, "expert_parallel", False)]
     experts = [p for p in params if getattr(p, "expert_parallel", False)]
-    _sum_flat([p.grad for p in dense], groups.data_group, counter)
-    _sum_flat([p.grad for p in experts], groups.expert_dp_group, counter)
+    _sum_flat([p.grad for p in dense], groups.data_group)
+    _sum_flat([p.grad for p in experts], groups.expert_dp_group)
     for p in params:
         p.grad.div_(groups.data_size)                                   # sum over the global batch -> mean
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ExpertParallelGroups, *,
-                    counter: CommCounter | None = None) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for an expert-parallel model: the norm of the whole model's gradient.
-
-    Call it after `average_gradients`. Each rank of an ep group holds different experts, so their
-    squared norms add up over the ep group (one all-reduce of a scalar); everything else is the same
-    on every rank and counts once. Every rank then scales by the same factor.
-    """
-    grads = [(p.grad, getattr(p, "expert_parallel", False)) for p in model.parameters() if p.grad is not None]
-    zero = torch.zeros((), dtype=torch.float32, device=grads[0][0].device if grads else None)
-    experts = sum((g.float().square().sum() for g, is_expert in grads if is_expert), zero.clone())
-    dense = sum((g.float().square().sum() for g, is_expert in grads if not is_expert), zero.clone())
-    if groups.ep > 1:
-        comm.all_reduce(experts, group=groups.ep_group, counter=counter)
-    norm = (experts + dense).sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)   # torch's rule: never scale up
-    for g, _ in grads:
-        g.mul_(scale.to(g.dtype))
-    return norm
-
-
-def _sum_flat(grads: list[torch.Tensor], group, counter: CommCounter | None) -> None:
+def _sum_flat(grads: list[torch.Tensor], group) -> None:
     if not grads or group is None or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])                   # (total numel,)
-    comm.all_reduce(flat, group=group, counter=counter)
+    comm.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

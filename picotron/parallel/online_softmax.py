@@ -5,7 +5,8 @@ of exp(score - m); when a new block raises the maximum, rescale what is already 
 exp(m_old - m_new). For attention the same merge combines partial outputs, each with its row's
 log-sum-exp (Milakov and Gimelshein 2018, arXiv:1805.02867; FlashAttention, Dao et al. 2022,
 arXiv:2205.14135). This is what lets ring attention (picotron/parallel/context_parallel.py) see
-the keys of other ranks one block at a time and still compute exact softmax attention.
+the keys of other ranks one block at a time and still compute exact softmax attention
+(chapters/05_context_parallel.ipynb, section 2.1).
 
     online_softmax            softmax over the last dimension, read one block at a time
     attention_block           attention over one block of keys: output and fp32 log-sum-exp per row

@@ -1,81 +1,27 @@
-"""Pipeline parallelism: the layers split into stages on p ranks, micro-batches flowing through them.
+"""Pipeline parallelism: the model's layers cut into stages over the pp ranks, and the executor that
+runs a schedule on them. The chapter: chapters/06_pipeline_parallel.ipynb (Playbook, "Pipeline
+Parallelism").
 
-Rank r of the pp group holds a consecutive slice of the decoder layers (the first stage also the
-embedding, the last one the final norm, the LM head and the loss). A micro-batch's activations
-travel forward from stage to stage with point-to-point sends, its gradients travel back the same
-way (Playbook, "Pipeline Parallelism"). Nothing else moves: per micro-batch and stage boundary,
-one (batch, seq, hidden) activation forward and one gradient of that size backward, far less than
-tensor parallelism's all-reduces inside every layer; pp therefore spans the slow links between
-nodes (picotron/mesh.py puts it outermost).
+`build_stages` gives pp rank r its stages (consecutive layers; the first stage also the embedding, the
+last the final norm, the LM head and the loss). `run_schedule` runs this rank's actions of a `Schedule`
+(picotron/parallel/pipeline_schedules.py: the schedules as data, checked and simulated): F receives its
+input from the previous stage and sends its output on, B receives its output's gradient and sends its
+input's back, W (zero-bubble schedules) adds the weight gradients B left out. `sync_tied_embeddings`
+sums the tied embedding's two gradients (first and last stage) after the step.
 
-Costs, with p stages, m micro-batches per optimizer step, F / B the time of one micro-batch's
-forward / backward on one stage:
+The executor only runs the actions. Measuring is the caller's: `comm.counting` records its sends
+(payload bytes) and receives, and an observer passed to `run_schedule`, such as `Timeline`, sees every
+action start and end (the timeline, the activations in flight).
 
-    weights, grads, optimizer state   divided by p (each rank holds its layers only)
-    bubble        stage r waits r F for its first input, (p-1-r)(F+B) for the first gradient to
-                  come back and r B at the end: (p-1)(F+B) idle per step beside m (F+B) of work,
-                  an idle fraction of (p-1)/(m+p-1)
-    activations   AFAB keeps all m micro-batches' activations until the backward; 1F1B at most
-                  p - r on rank r (p on the first stage, whatever m is)
-
-Schedules are data (picotron/parallel/pipeline_schedules.py): a `Schedule` lists, for every rank, the actions it runs in order, each an
-`Action` ("F" forward, "B" backward, "W" weight gradient, of micro-batch i on stage s). The sends
-and receives are implied: F on stage s > 0 receives its input from stage s - 1, B on stage s < S - 1
-receives its output gradient from stage s + 1. One executor, `run_schedule`, runs any of them:
-
-    naive         one batch, no micro-batching: F then B, one stage busy at a time (bubble (p-1)/p)
-    afab          all forward, all backward, the GPipe schedule (Huang et al. 2019, arXiv:1811.06965)
-    1f1b          one-forward-one-backward: p - r - 1 warm-up forwards, then alternate F and B, so
-                  a micro-batch's activations are freed as early as possible. Same bubble as AFAB,
-                  memory p - r instead of m micro-batches (PipeDream-Flush, Narayanan et al. 2021,
-                  arXiv:2006.09503; as Megatron-LM runs it, arXiv:2104.04473). Playbook,
-                  "One-forward-one-backward and LLama 3.1 schemes".
-    interleaved   each rank holds v chunks of layers (stages r, r + p, ..., r + (v-1) p); each
-                  chunk's F and B take 1/v of the time, so the warm-up and cool-down shrink v-fold:
-                  bubble (p-1)/(v m + p-1), at the price of v times more sends (Narayanan et al.
-                  2021, arXiv:2104.04473, section 2.2; Playbook, "Interleaving stages")
-    zb-h1         zero bubble, handcrafted 1 (Qi et al. 2023, arXiv:2401.10241): the backward split
-                  into B, the input gradient (which the previous stage waits for), and W, the weight
-                  gradient (which nobody waits for). Rank r runs 1F1B with B only and lets its W lag
-                  r micro-batches behind, filling the cool-down's idle time. Bubble (p-1)(F+B-W)
-                  with F = B = W, a third of 1F1B's, same peak memory (p micro-batches on a rank).
-                  Playbook, "Zero Bubble and DualPipe".
-
-For every schedule `simulate` computes the timeline from unit costs (no torch) and
-`bubble_formula` gives the textbook bubble; `run_schedule` records the real timeline (start and end
-of every action, time.perf_counter) and `bubble_fraction` measures idle / total per rank from it.
-
-B and W: B asks autograd for the gradient of the stage's input and, on the way, of the output of
-every module that owns parameters (Linear, Embedding, RMSNorm), keeping the graph; W then asks,
-module by module, for the parameters' gradients given those output gradients: for a Linear y = x A^T
-that is exactly the dA = dy^T x product, the "weight GEMM" of the paper. The sums are the ones a
-plain backward computes, so the gradients are equal (not approximations). For simplicity the whole
-graph stays alive until W; an implementation tuned for memory frees what only B needed.
-
-A tied embedding (the default model ties the LM head to the embedding) sits on the first and the
-last stage at once. We keep a copy on each and sum the two gradients with one exchange between
-those two ranks after the step (`sync_tied_embeddings`, what Megatron-LM does with its embedding
-group): both copies then take the same optimizer step and stay equal. Refusing tied embeddings
-under pp would have been simpler but would make pp fail on the default model.
-
-Communication: sends are asynchronous; each action's pending sends are posted together with the
-next action's receive in one batch_isend_irecv. Where two neighbours exchange (1F1B's steady state:
-rank r sends an activation to r+1 and waits for a gradient from it while r+1 does the opposite) the
-two directions are posted together, as Megatron-LM does: on NCCL a send waits for its receive, and
-two ranks each sending first would wait for each other forever. Between two ranks messages match in
-the order they are posted (no tags), so `check_schedule` verifies that every sender's order equals
-its receiver's, as well as that the schedule runs without deadlock. The counter records each send
-(payload bytes) and each receive (a call, no bytes), as picotron.comm does.
-
-How to use it (same model on every rank, e.g. the same seed; gradient syncs after the step):
-
-    stages = build_stages(model, mesh.pp_rank, mesh.pp_size, virtual_stages=1)
+    stages = build_stages(model, mesh.pp_rank, mesh.pp_size)
     optimizer = torch.optim.AdamW(stage_parameters(stages))
-    schedule = make_schedule("1f1b", mesh.pp_size, num_microbatches=8)
-    result = run_schedule(schedule, stages, mesh, inputs, targets, loss_fn,
-                          activation_shape=(micro_batch, seq, hidden), counter=mesh.counter)
-    sync_tied_embeddings(stages, mesh, counter=mesh.counter)   # first + last stage
-    all_reduce_gradients(...)                                  # data parallelism: once, after the last micro-batch
+    schedule = make_schedule("1f1b", mesh.pp_size, num_microbatches=8)      # pipeline_schedules
+    timeline = Timeline()                                                    # to measure; else leave it out
+    with comm.counting(mesh.counter):                                        # to count; else leave it out
+        result = run_schedule(schedule, stages, mesh, inputs, targets, loss_fn,
+                              activation_shape=(micro_batch, seq, hidden), observer=timeline)
+        sync_tied_embeddings(stages, mesh)        # first + last stage
+    all_reduce_gradients(...)                     # data parallelism: once, after the last micro-batch
     optimizer.step()
 """
 
@@ -85,26 +31,18 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from picotron import comm
-from picotron.comm import CommCounter
 from picotron.model import Llama, recompute
-# The schedules themselves (data, checks, simulator, bubbles) live in their own file; every name is
-# also reachable from here, so `pipeline_parallel.make_schedule(...)` reads as one technique.
-from picotron.parallel.pipeline_schedules import (SCHEDULES, Action, Event, Schedule, afab_schedule, bubble_formula,
-                                                  bubble_fraction, check_schedule, interleaved_schedule,
-                                                  make_schedule, naive_schedule, one_f_one_b_schedule,
-                                                  peak_in_flight, simulate, zb_h1_schedule)
+from picotron.parallel.pipeline_schedules import Action, Event, Schedule, check_schedule, check_stages
 
-__all__ = ["Action", "Schedule", "Event", "StepResult", "Stage", "stage_layers", "build_stages", "stage_parameters",
-           "split_microbatches", "naive_schedule", "afab_schedule", "one_f_one_b_schedule", "interleaved_schedule",
-           "zb_h1_schedule", "make_schedule", "SCHEDULES", "check_schedule", "simulate", "peak_in_flight",
-           "bubble_fraction", "bubble_formula", "run_schedule", "sync_tied_embeddings"]
+__all__ = ["Stage", "stage_layers", "build_stages", "stage_parameters", "split_microbatches", "ScheduleResult",
+           "ScheduleObserver", "Timeline", "run_schedule", "sync_tied_embeddings"]
 
 
 # ---- splitting the model -------------------------------------------------------------------------------
@@ -114,9 +52,7 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
     Sizes differ by at most one; the first stages get the extra layers, since the last stage also
     computes the LM head and the loss.
     """
-    if num_stages > num_layers:
-        raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} layers, but the model has "
-                         f"{num_layers}; lower pp (or virtual_stages), or use a model with more layers")
+    check_stages(num_layers, num_stages)
     base, extra = divmod(num_layers, num_stages)
     bounds = [0]
     for s in range(num_stages):
@@ -181,11 +117,8 @@ def build_stages(model: Llama, pp_rank: int, pp: int, virtual_stages: int = 1) -
         raise NotImplementedError("pipeline stages do not carry mixture-of-experts auxiliary losses yet (each "
                                   "stage's layers would need their aux_loss added to that stage's backward); "
                                   "use num_experts=0 with pipeline stages")
+    check_stages(model.config.num_layers, pp, virtual_stages)
     num_stages = pp * virtual_stages
-    if num_stages > model.config.num_layers:
-        raise ValueError(f"pp={pp} x virtual_stages={virtual_stages} = {num_stages} stages need at least "
-                         f"{num_stages} layers, but the model has num_layers={model.config.num_layers}; "
-                         f"lower pp or virtual_stages, or use a model with more layers")
     return [Stage(model, s, num_stages) for s in range(pp_rank, num_stages, pp)]
 
 
@@ -202,34 +135,73 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
     return list(batch.chunk(num_microbatches))
 
 
+# ---- watching the executor -------------------------------------------------------------------------------
+class ScheduleObserver(Protocol):
+    """What `run_schedule(..., observer=...)` calls around each action of this rank, in order."""
+
+    def before(self, rank: int, action: Action) -> None:
+        """The action's input is here (received, or not needed); its computation starts now."""
+
+    def after(self, rank: int, action: Action, in_flight: int) -> None:
+        """Its computation is done (its sends are not posted yet); in_flight: the (micro-batch, stage)
+        graphs this rank holds now, kept from their F until their backward no longer needs them."""
+
+
+class Timeline:
+    """An observer that records when every action ran and the most activations held at once; one per step.
+
+    events: one Event per action, start and end from time.perf_counter. An action starts once its
+    input has arrived, so a rank's waiting for a message is idle time between its events (what
+    `bubble_fraction` measures). peak_activations: the most (micro-batch, stage) graphs alive at once.
+    On a GPU the host only queues the work: every reading of the clock first waits for the device
+    (torch.cuda.synchronize), so an event is when the action really ran. That stops the host from
+    running ahead, which is why the executor leaves it to an observer.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.peak_activations = 0
+        self._start = 0.0
+
+    def before(self, rank: int, action: Action) -> None:
+        self._start = self._now()
+
+    def after(self, rank: int, action: Action, in_flight: int) -> None:
+        self.events.append(Event(rank, *action, self._start, self._now()))
+        self.peak_activations = max(self.peak_activations, in_flight)
+
+    @staticmethod
+    def _now() -> float:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()     # this rank's device (picotron.launch sets it per rank)
+        return time.perf_counter()
+
+
 # ---- the executor ----------------------------------------------------------------------------------------
 @dataclass
-class StepResult:
-    """What one pipeline step did on this rank."""
+class ScheduleResult:
+    """What one pipeline step computed on this rank."""
     loss: torch.Tensor | None             # sum over micro-batches of loss / m (the last stage's rank; else None)
-    events: list[Event]                   # every action with its perf_counter start and end
-    peak_activations: int                 # most (micro-batch, stage) graphs alive at once on this rank
 
 
 @dataclass
 class _Graph:
     """A micro-batch's forward on one stage, kept until its backward is done."""
     input: torch.Tensor                   # the stage's input (a leaf; its .grad goes to the previous stage)
-    root: torch.Tensor                    # the output, or the scaled loss on the last stage
+    root: torch.Tensor | None = None      # the output, or the scaled loss on the last stage
     weight_ops: list = field(default_factory=list)     # (module, output) of modules with parameters (B/W split)
     weight_grads: list = field(default_factory=list)   # their output gradients, left by B for W
 
 
 class _Executor:
-    """Runs one rank's action list: receives, computes, sends, and records the timeline."""
+    """Runs one rank's action list: for each action, receive its input, compute, send its output."""
 
-    def __init__(self, schedule: Schedule, stages: list[Stage], mesh, inputs, targets, loss_fn,
-                 activation_shape, dtype, counter, on_grads_ready, position_ids=None):
+    def __init__(self, schedule: Schedule, stages: list[Stage], mesh, inputs, targets, loss_fn, activation_shape,
+                 dtype, position_ids, on_grads_ready, observer):
         self.schedule, self.mesh, self.loss_fn = schedule, mesh, loss_fn
-        self.position_ids = position_ids
-        self.inputs, self.targets = inputs, targets
-        self.activation_shape, self.dtype, self.counter = tuple(activation_shape), dtype, counter
-        self.on_grads_ready = on_grads_ready
+        self.inputs, self.targets, self.position_ids = inputs, targets, position_ids
+        self.activation_shape, self.dtype = tuple(activation_shape), dtype
+        self.on_grads_ready, self.observer = on_grads_ready, observer
         self.stages = {stage.index: stage for stage in stages}
         self.device = next(stages[0].parameters()).device
         self.outbox: list[tuple[torch.Tensor, int]] = []   # sends of the last action, not posted yet
@@ -237,37 +209,56 @@ class _Executor:
         self.local: dict = {}                              # messages between two stages of this rank
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.grads_left = Counter({s: schedule.num_microbatches for s in self.stages})
-        self.events: list[Event] = []
         self.loss = None
-        self.peak = 0
 
-    def run(self) -> StepResult:
-        rank = self.mesh.pp_rank
+    def run(self) -> ScheduleResult:
+        rank, observer = self.mesh.pp_rank, self.observer
+        compute = {"F": self.forward, "B": self.backward, "W": self.weight}
+        last_gradient_step = "W" if self.schedule.split_backward else "B"
         for action in self.schedule.actions[rank]:
-            {"F": self.forward, "B": self.backward, "W": self.weight}[action.op](action.microbatch, action.stage)
+            received = self._receive(action)
+            if observer is not None:
+                observer.before(rank, action)
+            outgoing = compute[action.op](action, received)
+            if observer is not None:
+                observer.after(rank, action, len(self.graphs))
+            if action.op == last_gradient_step:
+                self._grads_done(action.stage)
+            if outgoing is not None:
+                self._send(action, outgoing)
         self._post()                     # the last sends
         comm.wait_all(self.posted)
-        return StepResult(self.loss, self.events, self.peak)
+        return ScheduleResult(self.loss)
 
     # ---- point-to-point -------------------------------------------------------------------------------
+    # F on stage s > 0 receives from s - 1 and, below the last stage, sends to s + 1; B the other way.
+    # A message between two stages of this rank (pp=1, interleaved) is handed over in `local`.
     def _peer(self, stage: int) -> int:
         return self.mesh.rank_of(pp=self.schedule.rank_of(stage))
 
-    def _send(self, kind: str, microbatch: int, from_stage: int, to_stage: int, tensor: torch.Tensor) -> None:
-        dst = self._peer(to_stage)
-        if dst == self.mesh.rank:        # the next chunk lives here too (pp=1): hand it over
-            self.local[(kind, microbatch, from_stage)] = tensor
-        else:
-            self.outbox.append((tensor.contiguous(), dst))
-
-    def _receive(self, kind: str, microbatch: int, from_stage: int) -> torch.Tensor:
-        src = self._peer(from_stage)
+    def _receive(self, action: Action) -> torch.Tensor | None:
+        """Post the pending sends with this action's receive, if it has one, and wait for that receive."""
+        op, microbatch, s = action
+        source = {"F": s - 1, "B": s + 1}.get(op, -1)        # W needs no message
+        if not 0 <= source < self.schedule.num_stages:
+            self._post()
+            return None
+        src = self._peer(source)
         if src == self.mesh.rank:
             self._post()
-            return self.local.pop((kind, microbatch, from_stage))
+            return self.local.pop((microbatch, source, s))
         buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
         self._post(receive=(buffer, src))
         return buffer
+
+    def _send(self, action: Action, tensor: torch.Tensor) -> None:
+        op, microbatch, s = action
+        to = s + 1 if op == "F" else s - 1
+        dst = self._peer(to)
+        if dst == self.mesh.rank:
+            self.local[(microbatch, s, to)] = tensor
+        else:
+            self.outbox.append((tensor.contiguous(), dst))
 
     def _post(self, receive: tuple[torch.Tensor, int] | None = None) -> None:
         """Post the pending sends and this action's receive as one batch; wait for the receive only.
@@ -276,13 +267,11 @@ class _Executor:
         receive from each other (1F1B's steady state) both make progress on NCCL.
         """
         ops = [dist.P2POp(dist.isend, tensor, dst) for tensor, dst in self.outbox]
-        if self.counter is not None:     # as picotron.comm counts: payload bytes per send, none per receive
-            for tensor, _ in self.outbox:
-                self.counter.record("send", tensor.numel() * tensor.element_size())
-            if receive is not None:
-                self.counter.record("recv", 0)
+        for tensor, _ in self.outbox:    # counted as picotron.comm's wrappers count: payload bytes per send
+            comm.record("send", tensor)
         self.outbox = []
         if receive is not None:
+            comm.record("recv")
             ops.append(dist.P2POp(dist.irecv, *receive))
         if not ops:
             return
@@ -293,50 +282,30 @@ class _Executor:
         # Forget the sends that are done, so their tensors can be freed before the step ends.
         self.posted = [r for r in self.posted if not r.is_completed()] + requests
 
-    def _now(self) -> float:
-        # On a GPU the host only queues the work: wait for it, so the clock sees when it really ran
-        # (and a received tensor has really arrived). Costs the CPU's running ahead; fine to measure.
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _record(self, op: str, microbatch: int, stage: int, start: float) -> None:
-        self.events.append(Event(self.mesh.pp_rank, op, microbatch, stage, start, self._now()))
-
-    # ---- the three actions ---------------------------------------------------------------------------
-    def forward(self, microbatch: int, s: int) -> None:
+    # ---- the three actions: each returns what it sends on (or None) -----------------------------------
+    def forward(self, action: Action, received: torch.Tensor | None) -> torch.Tensor | None:
+        _, microbatch, s = action
         stage = self.stages[s]
-        if stage.is_first:
-            self._post()                                                 # nothing to receive: just send
-            x = self.inputs[microbatch]                                  # (batch, seq) token ids
-        else:
-            x = self._receive("activation", microbatch, s - 1).requires_grad_()   # (batch, seq, hidden)
-        start = self._now()
-        graph = _Graph(x, None)
+        x = self.inputs[microbatch] if stage.is_first else received.requires_grad_()   # ids, or (batch, seq, hidden)
+        graph = _Graph(x)
         with _record_weight_ops(stage, graph.weight_ops, self.schedule.split_backward):
             y = stage(x) if self.position_ids is None else stage(x, self.position_ids[microbatch])
-        if stage.is_last:
-            # Mean of the m micro-batch means: the loss of the whole batch (equal micro-batches).
-            graph.root = self.loss_fn(y, self.targets[microbatch]) / self.schedule.num_microbatches
-            self.loss = graph.root.detach() if self.loss is None else self.loss + graph.root.detach()
-        else:
-            graph.root = y
         self.graphs[(microbatch, s)] = graph
-        self.peak = max(self.peak, len(self.graphs))
-        self._record("F", microbatch, s, start)
         if not stage.is_last:
-            self._send("activation", microbatch, s, s + 1, y.detach())
+            graph.root = y
+            return y.detach()
+        # Mean of the m micro-batch means: the loss of the whole batch (equal micro-batches).
+        graph.root = self.loss_fn(y, self.targets[microbatch]) / self.schedule.num_microbatches
+        self.loss = graph.root.detach() if self.loss is None else self.loss + graph.root.detach()
+        return None
 
-    def backward(self, microbatch: int, s: int) -> None:
+    def backward(self, action: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The input's gradient (None on the last stage: the loss is where it starts); with W actions,
+        also the gradients of the outputs of the modules that own weights, for W."""
+        _, microbatch, s = action
         stage, graph = self.stages[s], self.graphs[(microbatch, s)]
-        if stage.is_last:
-            self._post()                 # nothing to receive: the loss is where the backward starts
-            grad = None
-        else:
-            grad = self._receive("gradient", microbatch, s + 1)                 # (batch, seq, hidden)
-        start = self._now()
         if self.schedule.split_backward:
-            # B: the input's gradient, and the gradients of the parameter-owning modules' outputs for W.
+            # The graph stays whole until W, for simplicity; a memory-tuned version frees what only B needed.
             wanted = ([] if stage.is_first else [graph.input]) + [out for _, out in graph.weight_ops]
             grads = torch.autograd.grad(graph.root, wanted, grad, retain_graph=True, allow_unused=True)
             input_grad = None if stage.is_first else grads[0]
@@ -345,25 +314,19 @@ class _Executor:
             torch.autograd.backward(graph.root, grad)                   # input and weight gradients
             input_grad = graph.input.grad
             del self.graphs[(microbatch, s)]
-        self._record("B", microbatch, s, start)
-        if not self.schedule.split_backward:
-            self._grads_done(s)
-        if not stage.is_first:
-            self._send("gradient", microbatch, s, s - 1, input_grad)
+        return None if stage.is_first else input_grad
 
-    def weight(self, microbatch: int, s: int) -> None:
+    def weight(self, action: Action, _: None) -> None:
+        """The weights' gradients from the output gradients B left: dA = dy^T x for a Linear y = x A^T."""
+        _, microbatch, s = action
         graph = self.graphs.pop((microbatch, s))
-        self._post()
-        start = self._now()
         for (module, output), output_grad in zip(graph.weight_ops, graph.weight_grads):
             if output_grad is None:      # this output did not reach the loss
                 continue
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            # Only the path from the output back to the module's own weights: dA = dy^T x for a Linear.
+            # Only the path from the output back to the module's own weights.
             for param, grad in zip(params, torch.autograd.grad(output, params, output_grad)):
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
-        self._record("W", microbatch, s, start)
-        self._grads_done(s)
 
     def _grads_done(self, s: int) -> None:
         """Count the stage's gradient steps; after the last micro-batch its gradients are final."""
@@ -405,22 +368,8 @@ def _check_no_shared_weights(stages: list[nn.Module]) -> None:
                                      f"live on different ranks")
 
 
-def run_schedule(schedule: Schedule, stages: list[Stage], mesh, inputs: list[torch.Tensor] | None,
-                 targets: list[torch.Tensor] | None, loss_fn: Callable, activation_shape: tuple[int, ...], *,
-                 dtype: torch.dtype = torch.float32, counter: CommCounter | None = None,
-                 position_ids: list[torch.Tensor] | None = None,
-                 on_grads_ready: Callable[[int], None] | None = None) -> StepResult:
-    """Run this rank's part of one step of `schedule`: gradients of loss / m summed over the micro-batches.
-
-    inputs: the m micro-batches' inputs (used on the rank holding stage 0; others may pass None).
-    targets: their targets (used on the rank holding the last stage). loss_fn(output, target) is the
-    mean loss of one micro-batch; it is divided by m here. activation_shape: what travels between
-    stages, e.g. (micro_batch, seq, hidden). position_ids: the m micro-batches' token positions, for
-    every stage's rotary embedding (None: 0..seq-1; context parallelism passes its slice's positions).
-    on_grads_ready(stage): called when a stage's gradients
-    are final (after its last micro-batch's backward), the moment a data-parallel all-reduce of that
-    stage could start; or sync after this returns. Gradients accumulate into .grad like backward().
-    """
+def _check_step(schedule: Schedule, stages: list[Stage], mesh, inputs, targets) -> None:
+    """ValueError unless the schedule is sound, fits the mesh, and this rank has the stages and data it needs."""
     check_schedule(schedule)
     if schedule.pp != mesh.pp_size:
         raise ValueError(f"the schedule is for pp={schedule.pp} but the mesh has pp={mesh.pp_size}")
@@ -436,17 +385,37 @@ def run_schedule(schedule: Schedule, stages: list[Stage], mesh, inputs: list[tor
                              f"micro-batch {what}, got {None if items is None else len(items)}")
     if schedule.split_backward:
         _check_no_shared_weights(stages)
-    executor = _Executor(schedule, stages, mesh, inputs, targets, loss_fn, activation_shape, dtype, counter,
-                         on_grads_ready, position_ids)
-    return executor.run()
 
 
-def sync_tied_embeddings(stages: list[Stage], mesh, *, counter: CommCounter | None = None) -> None:
+def run_schedule(schedule: Schedule, stages: list[Stage], mesh, inputs: list[torch.Tensor] | None,
+                 targets: list[torch.Tensor] | None, loss_fn: Callable, activation_shape: tuple[int, ...], *,
+                 dtype: torch.dtype = torch.float32, position_ids: list[torch.Tensor] | None = None,
+                 on_grads_ready: Callable[[int], None] | None = None,
+                 observer: ScheduleObserver | None = None) -> ScheduleResult:
+    """Run this rank's part of one step of `schedule`: gradients of loss / m summed over the micro-batches.
+
+    inputs: the m micro-batches' inputs (used on the rank holding stage 0; others may pass None).
+    targets: their targets (used on the rank holding the last stage). loss_fn(output, target) is the
+    mean loss of one micro-batch; it is divided by m here. activation_shape: what travels between
+    stages, e.g. (micro_batch, seq, hidden). position_ids: the m micro-batches' token positions, for
+    every stage's rotary embedding (None: 0..seq-1; context parallelism passes its slice's positions).
+    on_grads_ready(stage): called when a stage's gradients are final (after its last micro-batch's
+    backward), the moment a data-parallel all-reduce of that stage could start; or sync after this
+    returns. observer: told before and after each action (`Timeline` records the timeline); None
+    measures nothing. Gradients accumulate into .grad like backward().
+    """
+    _check_step(schedule, stages, mesh, inputs, targets)
+    return _Executor(schedule, stages, mesh, inputs, targets, loss_fn, activation_shape, dtype, position_ids,
+                     on_grads_ready, observer).run()
+
+
+def sync_tied_embeddings(stages: list[Stage], mesh) -> None:
     """Sum the tied embedding's gradient (first stage) with the LM head's (last stage), on both ranks.
 
-    Call it after the step's last backward, before the optimizer: both copies of the matrix then
-    get the same gradient, the gradient the one tied matrix of a single process gets, and stay equal.
-    A no-op on middle stages, for untied models, and where one rank holds both ends (pp=1).
+    The first and the last stage each keep a copy of the tied matrix (Megatron-LM's embedding group
+    does the same). Call this after the step's last backward, before the optimizer: both copies then
+    get the same gradient, the one the tied matrix of a single process gets, and stay equal. A no-op
+    on middle stages, for untied models, and where one rank holds both ends (pp=1).
     """
     first = next((s for s in stages if s.is_first), None)
     last = next((s for s in stages if s.is_last), None)
@@ -458,5 +427,5 @@ def sync_tied_embeddings(stages: list[Stage], mesh, *, counter: CommCounter | No
                            f"sync_tied_embeddings after run_schedule, before the optimizer step")
     peer = mesh.rank_of(pp=mesh.pp_size - 1 if first else 0)
     other = torch.empty_like(weight.grad)
-    comm.send_recv(weight.grad, peer, other, peer, counter=counter)
+    comm.send_recv(weight.grad, peer, other, peer)
     weight.grad += other   # a + b on one rank, b + a on the other: the same floats

@@ -1,13 +1,22 @@
 """Pipeline schedules as data: which rank runs which forward (F), backward (B) and weight-gradient (W)
-action, in what order; checked, simulated and priced without torch.
+action, in what order; checked, simulated and priced without torch. The chapter, with what each
+schedule costs in time and memory: chapters/06_pipeline_parallel.ipynb.
 
 A schedule lists, for every pp rank, the actions it runs in order; sends and receives are implied
 by the actions (F on stage s > 0 receives from stage s - 1, B on stage s < S - 1 from stage s + 1).
 picotron/parallel/pipeline_parallel.py holds the stages and the executor that runs a schedule on
-real ranks; this file holds the schedules themselves (naive, AFAB, 1F1B, interleaved, ZB-H1: see
-that file's docstring for what each costs), `check_schedule` (complete, on the right ranks, no
-deadlock, messages in matching order), `simulate` (the timeline from unit costs), and the
-measured and textbook bubbles. Playbook, "Pipeline Parallelism".
+real ranks; this file holds the schedules themselves, `check_schedule` (complete, on the right
+ranks, no deadlock, messages in matching order), `simulate` (the timeline from unit costs), and the
+measured and textbook bubbles:
+
+    naive         one batch, no micro-batches: F then B, one stage busy at a time
+    afab          all forward, all backward: GPipe (Huang et al. 2019, arXiv:1811.06965)
+    1f1b          one forward, one backward: PipeDream-Flush (Narayanan et al. 2021, arXiv:2006.09503), as
+                  Megatron-LM runs it (arXiv:2104.04473)
+    interleaved   v chunks of layers per rank (Narayanan et al. 2021, arXiv:2104.04473, section 2.2)
+    zb-h1         zero bubble, handcrafted 1: the backward split into B and W (Qi et al. 2023, arXiv:2401.10241)
+
+Playbook, "Pipeline Parallelism" and the sections after it.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = ["Action", "Schedule", "Event", "naive_schedule", "afab_schedule", "one_f_one_b_schedule",
-           "interleaved_schedule", "zb_h1_schedule", "make_schedule", "SCHEDULES", "check_schedule", "simulate",
+           "interleaved_schedule", "zb_h1_schedule", "make_schedule", "SCHEDULES", "check_stages", "check_pipeline", "check_schedule", "simulate",
            "peak_in_flight", "bubble_fraction", "bubble_formula"]
 
 
@@ -154,6 +163,31 @@ def zb_h1_schedule(pp: int, num_microbatches: int) -> Schedule:
 
 SCHEDULES = ("naive", "afab", "1f1b", "interleaved", "zb-h1")
 _ALIASES = {"gpipe": "afab", "1F1B": "1f1b", "zbh1": "zb-h1", "zb_h1": "zb-h1"}
+
+
+def check_stages(num_layers: int, pp: int, virtual_stages: int = 1) -> None:
+    """Raise ValueError unless every one of the pp x virtual_stages stages gets at least one layer."""
+    stages = pp * virtual_stages
+    if stages > num_layers:
+        raise ValueError(f"pp={pp} x virtual_stages={virtual_stages} = {stages} stages need at least {stages} layers, "
+                         f"but num_layers={num_layers}: a stage needs at least one layer; lower pp (or "
+                         f"virtual_stages), or use a model with more layers")
+
+
+def check_pipeline(num_layers: int, pp: int, schedule: str, virtual_stages: int, num_microbatches: int) -> None:
+    """Raise ValueError naming the fix if `schedule` cannot run pp stages of a num_layers model over
+    num_microbatches micro-batches (the training configuration's pipeline, checked before anything is built)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule={schedule!r} is not a pipeline schedule; choose one of {SCHEDULES}")
+    if virtual_stages < 1 or (virtual_stages > 1 and schedule != "interleaved"):
+        raise ValueError(f"pp_virtual_stages={virtual_stages}: use 1, or more with pp_schedule='interleaved'")
+    check_stages(num_layers, pp, virtual_stages)
+    if pp > 1 and schedule == "naive" and num_microbatches != 1:
+        raise ValueError(f"pp_schedule='naive' runs one batch per step, but grad_accum_steps={num_microbatches}; "
+                         f"set grad_accum_steps=1 or choose 'afab', '1f1b', 'interleaved' or 'zb-h1'")
+    if pp > 1 and schedule == "interleaved" and num_microbatches % pp:
+        raise ValueError(f"the interleaved schedule sends micro-batches round in groups of pp={pp}, but "
+                         f"grad_accum_steps={num_microbatches} micro-batches do not divide by it; choose a multiple")
 
 
 def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:

@@ -1,68 +1,27 @@
-"""Tensor parallelism: every layer's weight matrices split over the tp ranks; and sequence parallelism.
+"""Tensor parallelism, with sequence parallelism: every layer's weight matrices split over the tp ranks.
 
-A linear layer Y = X W^T is a block matrix product, so it splits over t ranks in two ways
-(Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053; Playbook, "Tensor Parallelism"):
-
-    column-parallel   W split by output features (rows of W): rank i computes Y_i = X W_i^T,
-                      its slice of Y's features. Needs all of X on every rank.
-    row-parallel      W split by input features (columns of W), X split the same way:
-                      rank i computes a partial sum X_i W_i^T, and Y = sum over ranks.
-
-A column-parallel layer followed by a row-parallel one needs no communication in between: the
-slice of features one rank produces is exactly the slice the next layer needs. So each block of
-the Llama is column then row, and talks only where it starts and where it ends
-(Playbook, "Tensor Parallelism in a Transformer Block"):
-
-    MLP         gate_proj, up_proj column-parallel (f/t features each), down_proj row-parallel
-    attention   q/k/v_proj column-parallel by heads (n_q/t query heads, n_kv/t key-value heads
-                per rank: softmax attention is independent per head), o_proj row-parallel
-    embedding   vocab-parallel: rank i holds rows [i V/t, (i+1) V/t) of the table; a token's row
-                comes from the one rank that holds it, zeros from the others, summed
-    LM head     column-parallel over the vocabulary: each rank makes logits for its V/t tokens;
-                `vocab_parallel_cross_entropy` takes the loss from them (no rank ever holds
-                full-vocabulary logits), and a tied head shares the embedding's vocab shard.
-
-The communication sits in four autograd functions, two conjugate pairs:
+Chapter 04 (chapters/04_tensor_parallel.ipynb) builds and measures it. A column-parallel Linear keeps
+rows of W (a slab of the output features), a row-parallel one columns of W (a partial sum of the
+output); each block of the Llama is column then row, so it talks only where it starts and where it
+ends, through four autograd functions:
 
     entering a block (tp region)                     leaving a block
     TP  copy: identity, backward all-reduce (f)      all-reduce, backward identity (g)
     SP  all-gather the sequence, backward            reduce-scatter the sequence, backward
         reduce-scatter                               all-gather
 
-Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198; Playbook, "Sequence
-Parallelism"): outside the blocks, in the RMSNorms and the residual stream, plain TP repeats the
-same work on the same (batch, seq, hidden) tensor on every rank. SP splits that region along
-the sequence instead (those ops work token by token) and replaces each all-reduce, which *is* a
-reduce-scatter followed by an all-gather, by its two halves placed at the region borders.
-
-Cost per decoder layer and rank (b batch, s sequence, h hidden, t = tp, a bytes per element):
-
-    communication  TP: 2 all-reduces of b s h a in forward, 2 in backward.
-                   SP: 2 all-gathers + 2 reduce-scatters in forward, as many in backward; plus 2
-                       all-reduces of the h-element norm-weight gradients.
-                   Ring algorithms send 2 (t-1)/t b s h a per all-reduce, (t-1)/t b s h a per
-                   all-gather or reduce-scatter: 8 (t-1)/t b s h a per layer per step either way
-                   (tensor_parallel_costs.py: `tp_comm_bytes_per_layer`; `tp_comm_per_layer` and
-                   `tp_comm_per_step`, for the whole model and its loss, give what CommCounter counts).
-                   This sits on the critical path of every layer: TP stays inside a node.
-    memory         weights, gradients and optimizer state of every Linear and of the embedding
-                   divided by t (the RMSNorm weights, 2 h per layer, are replicated).
-                   Activations (`tp_activation_bytes_per_layer`): attention and MLP tensors / t;
-                   TP leaves the norms' b s h-sized tensors whole on every rank, SP divides them
-                   by t too, except the all-gathered input of the column-parallel Linears (a b s h
-                   per block), which Megatron also shards by all-gathering it again in backward.
-
-How to use it (every rank builds the same model first, e.g. same seed, and sees the same tokens):
+Attention splits by heads, the MLP by its width, the embedding and the LM head by vocabulary
+(`vocab_parallel_cross_entropy` takes the loss without gathering the logits). Its cost formulas
+are in picotron/parallel/tensor_parallel_costs.py.
 
     model = Llama(config)                                  # identical on every tp rank
     apply_tensor_parallel(model, mesh, sequence_parallel=True)
     logits = model(input_ids)                              # (batch, seq, vocab/tp): this rank's vocab
-    loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp_group, counter=mesh.counter)
+    loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
     loss.backward()                                        # every rank holds the same loss
 
-The plain model file is untouched: the Linears and the embedding are swapped for sharded ones,
-and a forward pre-hook makes attention's and the MLP's input enter the tp region once per block
-(q, k and v read the same input, so one all-reduce in backward serves all three).
+The collectives go through picotron.comm; to count them, open `comm.counting(counter)` around the
+forward and the backward.
 """
 
 from __future__ import annotations
@@ -73,32 +32,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron import comm
-from picotron.comm import CommCounter
 from picotron.config import ModelConfig
 from picotron.model import DecoderLayer, Llama
-# Its cost formulas live beside it; reachable from here too, as `tensor_parallel.tp_comm_per_layer(...)`.
-from picotron.parallel.tensor_parallel_costs import (tp_activation_bytes_per_layer, tp_comm_bytes_per_layer,
-                                                     tp_comm_per_layer, tp_comm_per_step)
 
 __all__ = ["copy_to_tp_region", "reduce_from_tp_region", "gather_from_sp_region", "reduce_scatter_to_sp_region",
            "gather_along", "split_along", "enter_tp_region", "exit_tp_region",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "check_tensor_parallel", "parallelize_layer", "apply_tensor_parallel",
-           "split_sequence", "gather_parameters", "gather_gradients", "clip_grad_norm_",
-           "tp_comm_per_layer", "tp_comm_per_step", "tp_comm_bytes_per_layer", "tp_activation_bytes_per_layer"]
+           "scatter_to_sp_region", "gather_parameters", "gather_gradients"]
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
 
 # ---- moving a tensor along one dimension --------------------------------------------------------
-def _all_reduce(x: torch.Tensor, group, counter: CommCounter | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce `x` over the ranks, in place (nothing to do, and nothing counted, on one rank)."""
     if dist.get_world_size(group) > 1:
-        comm.all_reduce(x, group=group, op=op, counter=counter)
+        comm.all_reduce(x, group=group, op=op)
     return x
 
 
-def _all_gather_along(x: torch.Tensor, dim: int, group, counter: CommCounter | None) -> torch.Tensor:
+def _all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, rank 0's first."""
     world = dist.get_world_size(group)
     if world == 1:
@@ -108,11 +62,11 @@ def _all_gather_along(x: torch.Tensor, dim: int, group, counter: CommCounter | N
     # model is batch-first, so we pay a copy each way.
     shard = x.movedim(dim, 0).contiguous()                           # (n, ...): `dim` first
     full = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))  # (world * n, ...)
-    comm.all_gather(full, shard, group=group, counter=counter)
+    comm.all_gather(full, shard, group=group)
     return full.movedim(0, dim).contiguous()                         # `dim` back in place, world times longer
 
 
-def _reduce_scatter_along(x: torch.Tensor, dim: int, group, counter: CommCounter | None) -> torch.Tensor:
+def _reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum `x` over the ranks and keep this rank's 1/world slice of the sum along `dim`."""
     world = dist.get_world_size(group)
     if x.shape[dim] % world:
@@ -122,7 +76,7 @@ def _reduce_scatter_along(x: torch.Tensor, dim: int, group, counter: CommCounter
         return x.contiguous()
     full = x.movedim(dim, 0).contiguous()                            # (world * n, ...)
     shard = full.new_empty((full.shape[0] // world, *full.shape[1:]))  # (n, ...)
-    comm.reduce_scatter(shard, full, group=group, counter=counter)
+    comm.reduce_scatter(shard, full, group=group)
     return shard.movedim(0, dim).contiguous()
 
 
@@ -149,13 +103,13 @@ class CopyToTP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, counter):
-        ctx.group, ctx.counter = group, counter
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(_summable(grad), ctx.group, ctx.counter), None, None
+        return _all_reduce(_summable(grad), ctx.group), None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -166,12 +120,12 @@ class ReduceFromTP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, counter):
-        return _all_reduce(x.contiguous().clone(), group, counter)
+    def forward(ctx, x, group):
+        return _all_reduce(x.contiguous().clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None
 
 
 class GatherFromSP(torch.autograd.Function):
@@ -182,13 +136,13 @@ class GatherFromSP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, counter):
-        ctx.group, ctx.counter = group, counter
-        return _all_gather_along(x, SEQ_DIM, group, counter)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_along(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_along(grad, SEQ_DIM, ctx.group, ctx.counter), None, None
+        return _reduce_scatter_along(grad, SEQ_DIM, ctx.group), None
 
 
 class ReduceScatterToSP(torch.autograd.Function):
@@ -199,13 +153,13 @@ class ReduceScatterToSP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, counter):
-        ctx.group, ctx.counter = group, counter
-        return _reduce_scatter_along(x, SEQ_DIM, group, counter)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_along(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_along(grad, SEQ_DIM, ctx.group, ctx.counter), None, None
+        return _all_gather_along(grad, SEQ_DIM, ctx.group), None
 
 
 class GatherAlong(torch.autograd.Function):
@@ -216,13 +170,13 @@ class GatherAlong(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, dim, group, counter):
+    def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _all_gather_along(x, dim, group, counter)
+        return _all_gather_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_along(grad, ctx.dim, ctx.group), None, None, None
+        return _split_along(grad, ctx.dim, ctx.group), None, None
 
 
 class SplitAlong(torch.autograd.Function):
@@ -232,54 +186,57 @@ class SplitAlong(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, dim, group, counter):
-        ctx.dim, ctx.group, ctx.counter = dim, group, counter
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
         return _split_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_along(grad, ctx.dim, ctx.group, ctx.counter), None, None, None
+        return _all_gather_along(grad, ctx.dim, ctx.group), None, None
 
 
-def copy_to_tp_region(x, group, counter=None):
-    return CopyToTP.apply(x, group, counter)
+def copy_to_tp_region(x, group):
+    return CopyToTP.apply(x, group)
 
 
-def reduce_from_tp_region(x, group, counter=None):
-    return ReduceFromTP.apply(x, group, counter)
+def reduce_from_tp_region(x, group):
+    return ReduceFromTP.apply(x, group)
 
 
-def gather_from_sp_region(x, group, counter=None):
-    return GatherFromSP.apply(x, group, counter)
+def gather_from_sp_region(x, group):
+    return GatherFromSP.apply(x, group)
 
 
-def reduce_scatter_to_sp_region(x, group, counter=None):
-    return ReduceScatterToSP.apply(x, group, counter)
+def reduce_scatter_to_sp_region(x, group):
+    return ReduceScatterToSP.apply(x, group)
 
 
-def gather_along(x, dim, group, counter=None):
-    return GatherAlong.apply(x, dim, group, counter)
+def gather_along(x, dim, group):
+    return GatherAlong.apply(x, dim, group)
 
 
-def split_along(x, dim, group, counter=None):
-    return SplitAlong.apply(x, dim, group, counter)
+def split_along(x, dim, group):
+    return SplitAlong.apply(x, dim, group)
 
 
-def split_sequence(x, group, counter=None):
-    """(batch, seq, ...) the same on every rank -> this rank's (batch, seq/t, ...) piece, to feed an SP region."""
-    return split_along(x, SEQ_DIM, group, counter)
+def scatter_to_sp_region(x, group):
+    """(batch, seq, ...) the same on every rank -> this rank's (batch, seq/t, ...) piece, to feed an SP region.
+
+    No communication forward (each rank keeps its slice); backward all-gathers the pieces' gradients.
+    """
+    return split_along(x, SEQ_DIM, group)
 
 
-def enter_tp_region(x, group, sequence_parallel=False, counter=None):
+def enter_tp_region(x, group, sequence_parallel=False):
     """(batch, seq, h) replicated, or (batch, seq/t, h) under SP -> (batch, seq, h) for column-parallel layers."""
-    return gather_from_sp_region(x, group, counter) if sequence_parallel else copy_to_tp_region(x, group, counter)
+    return gather_from_sp_region(x, group) if sequence_parallel else copy_to_tp_region(x, group)
 
 
-def exit_tp_region(x, group, sequence_parallel=False, counter=None):
+def exit_tp_region(x, group, sequence_parallel=False):
     """(batch, seq, h) partial sums -> the sum, (batch, seq, h) replicated or (batch, seq/t, h) under SP."""
     if sequence_parallel:
-        return reduce_scatter_to_sp_region(x, group, counter)
-    return reduce_from_tp_region(x, group, counter)
+        return reduce_scatter_to_sp_region(x, group)
+    return reduce_from_tp_region(x, group)
 
 
 # ---- sharded modules --------------------------------------------------------------------------------
@@ -311,20 +268,20 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False, enter_region: bool = True,
-                 gather_output: bool = False, counter: CommCounter | None = None):
+                 gather_output: bool = False):
         super().__init__()
         _no_bias(linear)
-        self.group, self.sequence_parallel, self.counter = group, sequence_parallel, counter
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.enter_region, self.gather_output = enter_region, gather_output
         self.weight = _shard(linear.weight, 0, group, "output features")   # (out/t, in)
         self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
-            x = enter_tp_region(x, self.group, self.sequence_parallel, self.counter)   # (batch, seq, in)
+            x = enter_tp_region(x, self.group, self.sequence_parallel)                 # (batch, seq, in)
         y = F.linear(x, self.weight)                                                   # (batch, seq, out/t)
         if self.gather_output:
-            y = gather_along(y, -1, self.group, self.counter)                          # (batch, seq, out)
+            y = gather_along(y, -1, self.group)                                        # (batch, seq, out)
         return y
 
     def extra_repr(self) -> str:
@@ -339,20 +296,19 @@ class RowParallelLinear(nn.Module):
     summed: all-reduced, or reduce-scattered along the sequence under SP.
     """
 
-    def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False, split_input: bool = False,
-                 counter: CommCounter | None = None):
+    def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False, split_input: bool = False):
         super().__init__()
         _no_bias(linear)
-        self.group, self.sequence_parallel, self.counter = group, sequence_parallel, counter
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.split_input = split_input
         self.weight = _shard(linear.weight, 1, group, "input features")    # (out, in/t)
         self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
-            x = split_along(x, -1, self.group, self.counter)                # (batch, seq, in/t)
+            x = split_along(x, -1, self.group)                              # (batch, seq, in/t)
         partial = F.linear(x, self.weight)                                  # (batch, seq, out): our share of the sum
-        return exit_tp_region(partial, self.group, self.sequence_parallel, self.counter)  # (batch, seq or seq/t, out)
+        return exit_tp_region(partial, self.group, self.sequence_parallel)  # (batch, seq or seq/t, out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (this rank's), out_features={self.out_features}"
@@ -366,10 +322,9 @@ class VocabParallelEmbedding(nn.Module):
     exit of a tp region: all-reduce, or reduce-scatter of the sequence under SP) has every row.
     """
 
-    def __init__(self, embedding: nn.Embedding, group, *, sequence_parallel: bool = False,
-                 counter: CommCounter | None = None):
+    def __init__(self, embedding: nn.Embedding, group, *, sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.sequence_parallel, self.counter = group, sequence_parallel, counter
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard(embedding.weight, 0, group, "vocabulary entries")   # (V/t, hidden)
         self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
         self.vocab_end = self.vocab_start + self.weight.shape[0]
@@ -379,11 +334,11 @@ class VocabParallelEmbedding(nn.Module):
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(~mine, 0)      # a valid row, zeroed below
         rows = F.embedding(local_ids, self.weight).masked_fill(~mine[..., None], 0.0)  # (batch, seq, hidden)
-        return exit_tp_region(rows, self.group, self.sequence_parallel, self.counter)  # (batch, seq or seq/t, hidden)
+        return exit_tp_region(rows, self.group, self.sequence_parallel)  # (batch, seq or seq/t, hidden)
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group, *,
-                                 counter: CommCounter | None = None, ignore_index: int = -100) -> torch.Tensor:
+                                 ignore_index: int = -100) -> torch.Tensor:
     """Mean next-token cross-entropy from each rank's slice of the vocabulary: picotron.model.loss_fn, sharded.
 
     local_logits: (batch, seq, V/t), rank i's vocabulary entries [i V/t, (i+1) V/t); targets:
@@ -398,20 +353,33 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     # Softmax does not change when every logit moves by the same amount: subtract the global max so
     # exp cannot overflow. A constant for autograd (detached).
     row_max = logits.detach().amax(dim=-1)                            # (batch, seq)
-    _all_reduce(row_max, group, counter, op=dist.ReduceOp.MAX)
+    _all_reduce(row_max, group, op=dist.ReduceOp.MAX)
     shifted = logits - row_max[..., None]
-    sum_exp = reduce_from_tp_region(shifted.exp().sum(dim=-1), group, counter)   # (batch, seq): over all V
+    sum_exp = reduce_from_tp_region(shifted.exp().sum(dim=-1), group)   # (batch, seq): over all V
     mine = (targets >= vocab_start) & (targets < vocab_start + logits.shape[-1])
     local_targets = (targets - vocab_start).masked_fill(~mine, 0)
     target_logit = shifted.gather(-1, local_targets[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
-    target_logit = reduce_from_tp_region(target_logit, group, counter)            # (batch, seq): from its owner
+    target_logit = reduce_from_tp_region(target_logit, group)           # (batch, seq): from its owner
     losses = sum_exp.log() - target_logit                             # (batch, seq)
     valid = targets != ignore_index
     return losses.masked_fill(~valid, 0.0).sum() / valid.sum()
 
 
 # ---- applying it to the Llama ---------------------------------------------------------------------
-def _check_divides(tp: int, **sizes: int) -> None:
+def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise ValueError if the model cannot be split over tp ranks (whole heads, equal shards), and
+    NotImplementedError for sequence parallelism with an MoE model (not written).
+
+    The one check of tensor parallelism's sizes: `apply_tensor_parallel` and `parallelize_layer` run it.
+    """
+    if config.num_experts and tp > 1 and sequence_parallel:
+        raise NotImplementedError(f"sequence parallelism with an MoE model (tp={tp}, num_experts="
+                                  f"{config.num_experts}) is not written: each tp rank would route its own slice "
+                                  f"of the sequence, and the experts' gradients and the balancing loss's load "
+                                  f"would have to be summed over the tp ranks too; use tp without sequence_parallel")
+    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    sizes = {name: size for name, size in sizes.items() if size}   # 0: nothing of that kind is split
     for name, size in sizes.items():
         if size % tp:
             common = [d for d in range(1, min(sizes.values()) + 1) if all(v % d == 0 for v in sizes.values())]
@@ -420,63 +388,62 @@ def _check_divides(tp: int, **sizes: int) -> None:
                              f"{', '.join(f'{n}={v}' for n, v in sizes.items())})")
 
 
-def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
-    """Raise ValueError if the model cannot be split over tp ranks (whole heads, equal shards)."""
-    if config.num_experts and tp > 1 and sequence_parallel:
-        raise NotImplementedError(f"sequence parallelism with an MoE model (tp={tp}, num_experts="
-                                  f"{config.num_experts}) is not written: each tp rank would route its own slice "
-                                  f"of the sequence, and the experts' gradients and the balancing loss's load "
-                                  f"would have to be summed over the tp ranks too; use tp without sequence_parallel")
-    _check_divides(tp, num_attention_heads=config.num_attention_heads,
-                   num_key_value_heads=config.num_key_value_heads,
-                   intermediate_size=config.intermediate_size, vocab_size=config.vocab_size)
+def _layer_config(layer: DecoderLayer) -> ModelConfig:
+    """The sizes of one decoder layer that `check_tensor_parallel` reads, read from its modules. 0 for what
+    the layer does not split: a vocabulary (it has none), an MoE block's width (the block stays whole)."""
+    attn, mlp = layer.attn, layer.mlp
+    moe = hasattr(mlp, "router")
+    return ModelConfig(vocab_size=0, hidden_size=attn.q_proj.in_features,
+                       intermediate_size=0 if moe else mlp.gate_proj.out_features,
+                       num_attention_heads=attn.q_proj.out_features // attn.head_dim,
+                       num_key_value_heads=attn.k_proj.out_features // attn.head_dim, head_dim=attn.head_dim,
+                       num_experts=len(mlp.experts) if moe else 0)
 
 
-def _enter_region_on_input(module: nn.Module, group, sequence_parallel: bool, counter) -> None:
+def _enter_region_on_input(module: nn.Module, group, sequence_parallel: bool) -> None:
     """Make the first input of `module` enter the tp region before the module reads it."""
     def hook(module, args):
         x, *rest = args
-        return (enter_tp_region(x, group, sequence_parallel, counter), *rest)
+        return (enter_tp_region(x, group, sequence_parallel), *rest)
     module.register_forward_pre_hook(hook)
 
 
-def _sum_grad_over_tp(param: nn.Parameter, group, counter) -> None:
+def _sum_grad_over_tp(param: nn.Parameter, group) -> None:
     """Under SP a replicated weight (RMSNorm's) meets only this rank's tokens: its gradient is a
     partial sum over the sequence, and the weight's gradient is the sum over the tp ranks. It is
     f (copy forward, all-reduce backward) applied to the weight. A hook on the tensor sees this
     backward's gradient before it is added into .grad, so gradient accumulation stays right."""
     if dist.get_world_size(group) > 1:
-        param.register_hook(lambda grad: _all_reduce(_summable(grad), group, counter))
+        param.register_hook(lambda grad: _all_reduce(_summable(grad), group))
 
 
-def parallelize_layer(layer: DecoderLayer, group, *, sequence_parallel: bool = False,
-                      counter: CommCounter | None = None) -> DecoderLayer:
+def parallelize_layer(layer: DecoderLayer, group, *, sequence_parallel: bool = False) -> DecoderLayer:
     """Split one decoder layer over `group` in place: attention by heads, the MLP by its width.
 
     Input and output: (batch, seq, hidden) on every rank, or (batch, seq/t, hidden) under SP.
     """
-    tp, attn, mlp = dist.get_world_size(group), layer.attn, layer.mlp
+    check_tensor_parallel(_layer_config(layer), dist.get_world_size(group), sequence_parallel)
+    return _split_layer(layer, group, sequence_parallel)
+
+
+def _split_layer(layer: DecoderLayer, group, sequence_parallel: bool) -> DecoderLayer:
+    """`parallelize_layer` once its sizes are checked."""
+    attn, mlp = layer.attn, layer.mlp
     moe = hasattr(mlp, "router")     # a mixture of experts (chapter 07): left whole, see below
-    if moe and sequence_parallel:
-        raise NotImplementedError("sequence parallelism with a mixture-of-experts layer is not written; use tp "
-                                  "without sequence_parallel")
-    _check_divides(tp, num_attention_heads=attn.q_proj.out_features // attn.head_dim,
-                   num_key_value_heads=attn.k_proj.out_features // attn.head_dim,
-                   **({} if moe else {"intermediate_size": mlp.gate_proj.out_features}))
-    column = dict(sequence_parallel=sequence_parallel, enter_region=False, counter=counter)
-    row = dict(sequence_parallel=sequence_parallel, counter=counter)
+    column = dict(sequence_parallel=sequence_parallel, enter_region=False)
+    row = dict(sequence_parallel=sequence_parallel)
     # Attention computes its head counts from these Linears' sizes: n_q/t and n_kv/t heads here.
     attn.q_proj = ColumnParallelLinear(attn.q_proj, group, **column)
     attn.k_proj = ColumnParallelLinear(attn.k_proj, group, **column)
     attn.v_proj = ColumnParallelLinear(attn.v_proj, group, **column)
     attn.o_proj = RowParallelLinear(attn.o_proj, group, **row)
     # One entry per block, shared by the Linears that read its input.
-    _enter_region_on_input(attn, group, sequence_parallel, counter)
+    _enter_region_on_input(attn, group, sequence_parallel)
     if not moe:
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group, **column)
         mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, **column)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, group, **row)
-        _enter_region_on_input(mlp, group, sequence_parallel, counter)
+        _enter_region_on_input(mlp, group, sequence_parallel)
     # An MoE block stays whole: after the attention's row-parallel all-reduce every tp rank holds the
     # same residual stream, so each runs the router and its experts on all tokens itself (the same
     # numbers, hence the same gradients, on every tp rank). Tensor parallelism thus splits the
@@ -484,32 +451,30 @@ def parallelize_layer(layer: DecoderLayer, group, *, sequence_parallel: bool = F
     # (each tp rank has its own ep groups), as Megatron-LM's expert-tensor-parallel size 1 does.
     if sequence_parallel:
         for norm in (layer.attn_norm, layer.mlp_norm):
-            _sum_grad_over_tp(norm.weight, group, counter)
+            _sum_grad_over_tp(norm.weight, group)
     return layer
 
 
-def apply_tensor_parallel(model: Llama, mesh, sequence_parallel: bool = False, *,
-                          counter: CommCounter | None = None) -> Llama:
+def apply_tensor_parallel(model: Llama, mesh, sequence_parallel: bool = False) -> Llama:
     """Split a plain Llama over mesh.tp_group in place; it then computes what it computed before.
 
     The model must be identical on every tp rank (same seed, or broadcast first): each rank keeps
     its slice of the full weights. Afterwards it takes the same (batch, seq) token ids on every tp
     rank and returns this rank's (batch, seq, vocab/tp) logits, for `vocab_parallel_cross_entropy`.
     Under SP the embedding reduce-scatters the sequence, so the layers and the final norm see
-    (batch, seq/tp, hidden), and the LM head all-gathers it back. counter: mesh.counter by default.
+    (batch, seq/tp, hidden), and the LM head all-gathers it back.
     """
     check_tensor_parallel(model.config, mesh.tp_size, sequence_parallel)
     group = mesh.tp_group
-    counter = mesh.counter if counter is None else counter
     tied = model.lm_head.weight is model.embed.weight
     for layer in model.layers:
-        parallelize_layer(layer, group, sequence_parallel=sequence_parallel, counter=counter)
-    model.embed = VocabParallelEmbedding(model.embed, group, sequence_parallel=sequence_parallel, counter=counter)
-    model.lm_head = ColumnParallelLinear(model.lm_head, group, sequence_parallel=sequence_parallel, counter=counter)
+        _split_layer(layer, group, sequence_parallel)
+    model.embed = VocabParallelEmbedding(model.embed, group, sequence_parallel=sequence_parallel)
+    model.lm_head = ColumnParallelLinear(model.lm_head, group, sequence_parallel=sequence_parallel)
     if tied:   # the same vocabulary rows read tokens in and write logits out: one shard serves both
         model.lm_head.weight = model.embed.weight
     if sequence_parallel:
-        _sum_grad_over_tp(model.norm.weight, group, counter)
+        _sum_grad_over_tp(model.norm.weight, group)
     return model
 
 
@@ -520,35 +485,16 @@ def _gather_full(model: nn.Module, group, tensor_of) -> dict[str, torch.Tensor]:
         if tensor is not None:
             tensor = tensor.detach().clone()
             if hasattr(param, "tp_shard_dim"):
-                tensor = _all_gather_along(tensor, param.tp_shard_dim, group, None)
+                tensor = _all_gather_along(tensor, param.tp_shard_dim, group)
         full[name] = tensor
     return full
 
 
 def gather_parameters(model: nn.Module, group) -> dict[str, torch.Tensor]:
-    """The full weights by name (the plain model's names), from every rank's shards. Not counted."""
+    """The full weights by name (the plain model's names), from every rank's shards."""
     return _gather_full(model, group, lambda p: p)
 
 
 def gather_gradients(model: nn.Module, group) -> dict[str, torch.Tensor]:
-    """The full gradients by name, from every rank's shards (None where a parameter has none). Not counted."""
+    """The full gradients by name, from every rank's shards (None where a parameter has none)."""
     return _gather_full(model, group, lambda p: p.grad)
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float, group, counter: CommCounter | None = None) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the norm of the *full* gradient.
-
-    ||g||^2 is a sum over elements, so a sharded weight's part is the sum of its shards' parts over
-    the tp ranks (one all-reduce of a scalar); a replicated weight (the RMSNorms) holds the same
-    gradient on every rank and is counted once, locally. Every rank then scales by the same factor.
-    """
-    grads = [(p.grad, hasattr(p, "tp_shard_dim")) for p in model.parameters() if p.grad is not None]
-    zero = torch.zeros((), dtype=torch.float32, device=grads[0][0].device if grads else None)
-    sharded = sum((g.float().square().sum() for g, is_shard in grads if is_shard), zero.clone())
-    replicated = sum((g.float().square().sum() for g, is_shard in grads if not is_shard), zero.clone())
-    _all_reduce(sharded, group, counter)                                  # sum of the shards' parts
-    norm = (sharded + replicated).sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)                     # torch's rule: never scale up
-    for g, _ in grads:
-        g.mul_(scale.to(g.dtype))
-    return norm

@@ -1,10 +1,10 @@
-"""What tensor and sequence parallelism cost, as formulas the chapters put next to measurements.
+"""What tensor and sequence parallelism cost: formulas that chapters/04_tensor_parallel.ipynb checks against counts.
 
 Communication per decoder layer and per training step, in the format picotron.comm's CommCounter
 counts it (`tp_comm_per_layer`, `tp_comm_per_step`) and as bytes on the wire with ring
 algorithms (`tp_comm_bytes_per_layer`); activation bytes one layer saves per rank, counted like
-picotron/memory.py counts them (`tp_activation_bytes_per_layer`). The technique itself, and why
-these are its costs, is picotron/parallel/tensor_parallel.py.
+picotron.costs counts them (`tp_activation_bytes_per_layer`). The technique itself is
+picotron/parallel/tensor_parallel.py; chapter 04 derives why these are its costs.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def tp_comm_bytes_per_layer(batch: int, seq: int, hidden: int, tp: int, sequence
 
 def tp_activation_bytes_per_layer(config: ModelConfig, batch: int, seq: int, tp: int,
                                   sequence_parallel: bool = False, dtype_bytes: int = 4) -> int:
-    """Bytes one decoder layer saves for backward on each rank, counted like memory.activation_bytes_per_layer.
+    """Bytes one decoder layer saves for backward on each rank, counted like costs.activation_bytes_per_layer.
 
     With a = dtype_bytes, t = tp, n = b s tokens, and n' = n / t under SP, n' = n under TP alone
     (the tokens this rank's norms and residual stream see):

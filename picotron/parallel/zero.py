@@ -1,44 +1,18 @@
-"""ZeRO: data parallelism without the redundant copies (stages 1, 2 and 3).
+"""ZeRO stages 0-2: data parallelism with the optimizer state (stage 1) and gradients (stage 2) sharded.
 
-In plain data parallelism each of the N dp ranks keeps the whole training state, and all of
-them run the same optimizer step on the same averaged gradient: N identical copies. The Zero
-Redundancy Optimizer (Rajbhandari et al. 2020, arXiv:1910.02054; Playbook, "ZeRO (Zero
-Redundancy Optimizer)") cuts the state into N shards and lets rank r keep and update only
-shard r. The arithmetic is unchanged, so every stage trains exactly like one process.
+The Zero Redundancy Optimizer (Rajbhandari et al. 2020, arXiv:1910.02054; Playbook, "ZeRO (Zero
+Redundancy Optimizer)") cuts the training state into N shards over the N dp ranks and lets rank r
+keep and update only shard r; the arithmetic is unchanged, so every stage trains exactly like one
+process. This file holds:
 
-    stage  split over the N ranks     bytes per rank, Psi parameters
-                                      bf16-mixed                   fp32
-    0      nothing (plain DP)         2Psi + 2Psi   + 12Psi        4Psi + 4Psi   + 8Psi
-    1      optimizer state            2Psi + 2Psi   + 12Psi/N      4Psi + 4Psi   + 8Psi/N
-    2      + gradients                2Psi + 2Psi/N + 12Psi/N      4Psi + 4Psi/N + 8Psi/N
-    3      + parameters (FSDP)        (2Psi + 2Psi + 12Psi)/N      (4Psi + 4Psi + 8Psi)/N
+    zero_state_bytes, zero_comm_bytes, ring_bytes   the exact bytes per rank and the bytes sent per step
+    FlatGroup                                       parameters as views of one flat buffer, padded to N shards
+    ZeroOptimizer                                   stages 0 (plain DP in the same layout), 1 and 2
 
-(parameters + gradients + optimizer state; bf16-mixed computes in bf16 and keeps fp32 master
-weights and Adam's m and v: the 12. In fp32 the master weights are the parameters themselves.)
-
-What each stage sends per optimizer step, with ring algorithms, per rank:
-
-    0  all-reduce the gradients                          2 (N-1)/N Psi          elements
-    1  reduce-scatter the gradients after backward,      (N-1)/N Psi + (N-1)/N Psi
-       all-gather the updated parameters after the step
-    2  the same, reduce-scattering bucket by bucket during backward
-    3  all-gather a unit's parameters before its         (N-1)/N Psi + 2 (N-1)/N Psi
-       forward and again before its backward,
-       reduce-scatter its gradients after
-
-which for large N is the Playbook's 2Psi, 2Psi, 2Psi, 3Psi: stages 1 and 2 cost what plain DP
-costs (an all-reduce *is* a reduce-scatter followed by an all-gather), stage 3 pays one more
-all-gather for dividing the parameters by N too. With gradient accumulation over k
-micro-batches stage 1 still communicates once per step, while stages 2 and 3 reduce-scatter
-after every micro-batch (they keep no whole gradient to accumulate into) and stage 3 gathers
-2k times.
-
-How to use it (gradient accumulation needs nothing more than calling backward k times):
+Stage 3 (the parameters sharded too) is `Zero3` in zero3.py, built on the same FlatGroup.
 
     zero = ZeroOptimizer(model, mesh.dp_group, stage=1,              # or stage=0 or 2
-                         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
-                         bucket_mb=25, counter=mesh.counter)
-    zero = Zero3(model, mesh.dp_group, prefetch=True, optimizer=..., counter=mesh.counter)  # zero3.py
+                         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3), bucket_mb=25)
     for step in range(steps):
         zero.zero_grad()
         for x, y in micro_batches:
@@ -46,24 +20,8 @@ How to use it (gradient accumulation needs nothing more than calling backward k 
         zero.clip_grad_norm_(1.0)                # optional: the whole gradient's norm, from the shards
         zero.step()                              # step this rank's shard, then all-gather (stages 1, 2)
 
-Both build on `FlatGroup`: some parameters turned into views of one flat buffer, padded with
-zeros to a multiple of N so that it splits into N equal shards; rank r owns slice r of every
-group. Groups are buckets of `bucket_mb` MiB for stages 0-2 and units (a decoder layer; the
-embedding; the final norm and head) for stage 3. With n_g parameters in group g:
-
-    S     = sum_g ceil(n_g / N)   elements in this rank's shards (stage 0: no split, S = Psi)
-    Psi'  = N * S                 the padded parameter count, Psi <= Psi' < Psi + N * groups
-
-and the bytes per rank, exactly (`zero_state_bytes` computes them, `state_bytes()` counts the
-real tensors; p, g, o = 4, 4, 8 in fp32 and 2, 2, 12 in bf16-mixed):
-
-    parameters   p Psi'            stage 3: p S
-    gradients    g Psi'            stages 2, 3: g S
-    optimizer    o S + 4 groups    AdamW's fp32 step counter, one per flat shard it steps
-
-The comm counter's payload per step is `zero_comm_bytes`, and `ring_bytes` turns it into the
-bytes a ring algorithm puts on the wire. ZeRO-3's gathered units are transient, on top of
-this state: `Zero3.peak_gathered_bytes` records the most held at once.
+To measure what it sends, open `picotron.comm.counting()` around the work. The stages' memory and
+communication tables, the padding and the formulas' derivations: chapters/03_zero.ipynb.
 """
 
 from __future__ import annotations
@@ -76,17 +34,27 @@ import torch.distributed as dist
 from torch import nn
 
 from picotron import comm
-from picotron.comm import CommCounter
-from picotron.config import check_zero_stage
 from picotron.parallel.data_parallel import assign_buckets, broadcast_parameters
+from picotron.parallel.grad_norm import clip_factor
 
-__all__ = ["StateBytes", "zero_state_bytes", "zero_comm_bytes", "ring_bytes", "FlatGroup", "ZeroOptimizer"]
+__all__ = ["ZERO_STAGES", "check_zero_stage", "StateBytes", "zero_state_bytes", "zero_comm_bytes", "ring_bytes",
+           "FlatGroup", "ZeroOptimizer"]
 
 # Bytes per parameter of (parameters, gradients, optimizer state): fp32 master weights, m and v in bf16-mixed.
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16-mixed": (2, 2, 12)}
 STEP_COUNTER_BYTES = 4   # AdamW keeps `step` as one fp32 scalar per tensor it updates
 
 MakeOptimizer = Callable[[list], torch.optim.Optimizer]
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero_stage(stage, name: str = "zero_stage") -> None:
+    """Raise ValueError for a ZeRO stage that does not exist (`name`: the argument, for the message)."""
+    if stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise ValueError(f"{name}={stage!r}; choose 0 (plain data parallelism), 1 (shard the optimizer "
+                         f"state), 2 (and the gradients) or 3 (and the parameters)")
 
 
 # ---- The formulas -------------------------------------------------------------------------------
@@ -123,7 +91,7 @@ def zero_state_bytes(numels: int | Sequence[int], world: int, stage: int, precis
 
     numels: parameters per flat group (`zero.numels`), or the model's total for one group.
     The padding to a multiple of N per group and AdamW's step counters (4 bytes per group) are
-    included, so this equals `ZeroOptimizer.state_bytes()` exactly; see the module docstring.
+    included, so this equals `ZeroOptimizer.state_bytes()` exactly (chapters/03_zero.ipynb derives it).
     """
     if precision not in BYTES_PER_PARAM:
         raise ValueError(f"precision={precision!r}; choose one of {sorted(BYTES_PER_PARAM)}")
@@ -268,7 +236,6 @@ class ZeroOptimizer:
         or whole norm (Adafactor, LAMB, Muon) would need the parameters' boundaries.
     bucket_mb: MiB of parameters per flat group (0: one per parameter). Stage 2 overlaps each
         bucket's reduce-scatter with the rest of backward.
-    counter: a CommCounter to record every collective in.
 
     Gradient accumulation: call backward once per micro-batch. Stages 0-1 add into their whole
     gradient buffer and communicate once in step(); stage 2 reduce-scatters every micro-batch and
@@ -276,15 +243,14 @@ class ZeroOptimizer:
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, *, stage: int = 1,
-                 optimizer: MakeOptimizer | None = None, bucket_mb: float = 25.0,
-                 counter: CommCounter | None = None):
+                 optimizer: MakeOptimizer | None = None, bucket_mb: float = 25.0):
         check_zero_stage(stage, "stage")
         if stage == 3:
             raise ValueError("stage=3 also shards the parameters, which needs hooks around every unit's "
                              "forward and backward: use Zero3(model, group, ...)")
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be >= 0 (0: one bucket per parameter)")
-        params = self._setup(model, group, stage, counter)
+        params = self._setup(model, group, stage)
         bucket_numel = int(bucket_mb * 2**20) // params[0].element_size()
         # Reverse order, as DataParallel: roughly the order backward finishes the gradients.
         self._build(assign_buckets(params[::-1], bucket_numel), optimizer)
@@ -293,9 +259,9 @@ class ZeroOptimizer:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ---- set-up shared with Zero3 ------------------------------------------------------------
-    def _setup(self, model: nn.Module, group, stage: int, counter) -> list[nn.Parameter]:
+    def _setup(self, model: nn.Module, group, stage: int) -> list[nn.Parameter]:
         self.group, self.world, self.rank = _group_position(group)
-        self.model, self.stage, self.counter = model, stage, counter
+        self.model, self.stage = model, stage
         params = list(model.parameters())             # a tied weight appears once
         if not params:
             raise ValueError(f"{type(model).__name__} has no parameters: nothing to shard")
@@ -304,7 +270,7 @@ class ZeroOptimizer:
             raise ValueError(f"parameters {frozen[:4]} do not require grad; this ZeRO shards trainable "
                              f"parameters only: make them trainable or keep them outside the model")
         self.name_of = {p: name for name, p in model.named_parameters()}
-        broadcast_parameters(model, self.group, counter=counter)   # replicas must start identical
+        broadcast_parameters(model, self.group)   # replicas must start identical
         self._pending = None            # (work, group, shard, flat input) of the reduce-scatter in flight
         self._grads_ready = False       # finish_gradient_sync ran since the last step
         return params
@@ -347,7 +313,7 @@ class ZeroOptimizer:
         flat.div_(self.world)           # divide before summing, as DDP does: a bf16 sum cannot overflow
         self._wait_pending()            # one reduce-scatter in flight at a time
         shard = flat.new_empty(group.shard_numel)
-        work = comm.reduce_scatter(shard, flat, self.group, counter=self.counter, async_op=True)
+        work = comm.reduce_scatter(shard, flat, self.group, async_op=True)
         self._pending = (work, group, shard, flat)   # flat must live until the collective is done
         group.ready.clear()
         group.reductions += 1
@@ -373,12 +339,11 @@ class ZeroOptimizer:
             for g in self.groups:
                 g.grad.div_(self.world)
             if self.stage == 0:
-                comm.wait_all([comm.all_reduce(g.grad, self.group, counter=self.counter, async_op=True)
-                               for g in self.groups])
+                comm.wait_all([comm.all_reduce(g.grad, self.group, async_op=True) for g in self.groups])
                 averaged = [g.grad for g in self.groups]
             else:
                 averaged = [g.grad.new_empty(g.shard_numel) for g in self.groups]
-                comm.wait_all([comm.reduce_scatter(shard, g.grad, self.group, counter=self.counter, async_op=True)
+                comm.wait_all([comm.reduce_scatter(shard, g.grad, self.group, async_op=True)
                                for shard, g in zip(averaged, self.groups)])
         else:
             self._wait_pending()
@@ -410,17 +375,20 @@ class ZeroOptimizer:
                 f"must take part in the loss")
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, counted: Callable[[nn.Parameter], bool] | None = None,
+                        group=None) -> torch.Tensor:
         """Scale the gradient so that its global 2-norm is at most max_norm; return the norm before.
 
-        Each rank holds 1/N of the gradient (stages 1-3): the squared norms of the shards add up
-        over the group, one 4-byte all-reduce. Same rule as torch.nn.utils.clip_grad_norm_.
+        picotron.parallel.grad_norm's rule, for a gradient kept in flat shards: each rank holds 1/N
+        of it (stages 1-3), so the squared norms of the shards add up over the group, one 4-byte
+        all-reduce. A model split another way too passes `counted` (grad_norm.counted_here) and
+        the group over which the squares add up (the whole world).
         """
-        squares = self.gradient_squares()
-        if self.stage > 0:
-            comm.all_reduce(squares, self.group, counter=self.counter)
+        squares = self.gradient_squares(counted)
+        if group is not None or self.stage > 0:      # stage 0: every rank holds the whole gradient
+            comm.all_reduce(squares, group if group is not None else self.group)
         norm = squares.sqrt()
-        self.scale_gradients(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        self.scale_gradients(clip_factor(norm, max_norm))
         return norm
 
     @torch.no_grad()
@@ -473,7 +441,7 @@ class ZeroOptimizer:
         """Stages 1-2: every rank needs every updated parameter for its next forward."""
         if self.stage in (1, 2):
             # In place: the shard is slice `rank` of full, exactly where the all-gather puts it.
-            return comm.all_gather(group.full, group.shard, self.group, counter=self.counter, async_op=True)
+            return comm.all_gather(group.full, group.shard, self.group, async_op=True)
         return None
 
     def zero_grad(self) -> None:
@@ -503,7 +471,7 @@ class ZeroOptimizer:
         if self.stage == 0:
             return shard
         whole = shard.new_empty(self.world * group.shard_numel)
-        comm.all_gather(whole, shard, self.group, counter=self.counter)
+        comm.all_gather(whole, shard, self.group)
         return whole
 
     @torch.no_grad()

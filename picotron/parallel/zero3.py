@@ -13,7 +13,7 @@ full buffer exists only around the unit's forward and again around its backward.
 
 Memory per rank (2Psi + 2Psi + 12Psi)/N in bf16-mixed, plus the units gathered at a time;
 communication per step one all-gather more than ZeRO-1/2 (3Psi instead of 2Psi). Playbook,
-"ZeRO (Zero Redundancy Optimizer)".
+"ZeRO (Zero Redundancy Optimizer)". Chapter: chapters/03_zero.ipynb.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from picotron import comm
-from picotron.comm import CommCounter
 from picotron.parallel.zero import FlatGroup, MakeOptimizer, ZeroOptimizer
 
 __all__ = ["Zero3", "llama_units"]
@@ -92,14 +91,14 @@ class Zero3(ZeroOptimizer):
     prefetch: start the all-gather of the next unit (asynchronously) when the current one
         starts computing, in forward and in backward, so communication hides behind compute;
         False gathers each unit only when it is needed (the chapter times both).
-    optimizer, counter: as for ZeroOptimizer. Full recomputation works too: a unit recomputed
+    optimizer: as for ZeroOptimizer. Full recomputation works too: a unit recomputed
     inside backward is already gathered.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, *,
                  units: list[list[nn.Module]] | None = None, prefetch: bool = True,
-                 optimizer: MakeOptimizer | None = None, counter: CommCounter | None = None):
-        self._setup(model, group, 3, counter)
+                 optimizer: MakeOptimizer | None = None):
+        self._setup(model, group, 3)
         self.units = units if units is not None else llama_units(model)
         self._build(_unit_params(model, self.units), optimizer)
         self.prefetch = prefetch
@@ -123,7 +122,7 @@ class Zero3(ZeroOptimizer):
         g.full.untyped_storage().resize_(nbytes)
         self.gathered_bytes += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        g.work = comm.all_gather(g.full, g.shard, self.group, counter=self.counter, async_op=True)
+        g.work = comm.all_gather(g.full, g.shard, self.group, async_op=True)
 
     def _gather(self, g: FlatGroup) -> None:
         """Make the unit's parameters whole: wait for a prefetch, or gather now."""

@@ -1,0 +1,118 @@
+"""What one model costs on one process, in FLOPs and in bytes: the formulas every chapter builds on.
+
+- FLOPs per token of training (6N + 12 L h s, plus what recomputation runs again) and the peak
+  FLOP/s of this rank's device, the two halves of MFU (chapters/01_memory.ipynb, chapters/08_5d_parallelism.ipynb).
+- The bytes a decoder layer saves for backward, term by term (chapters/01_memory.ipynb, section on
+  activations); each technique's cost module (picotron/parallel/*_costs.py) divides these terms
+  over its ranks, and picotron.memory adds them up per rank.
+
+This module imports only the configuration: it sits below the model and every technique.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from picotron.config import ModelConfig
+
+
+# Dense bf16 tensor-core peaks from the vendors' spec sheets (without sparsity), FLOP/s.
+GPU_PEAK_FLOPS = {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
+                  "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "RTX 4090": 165e12}
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the weights, 12 L h s for attention (no recomputation).
+
+    N counts the parameters a token computes with: for an MoE model only its experts_per_token
+    experts (ModelConfig.num_active_params), so MFU is not inflated by idle experts.
+    """
+    return 6 * model.num_active_params() + 12 * model.num_layers * model.hidden_size * seq_len
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    """(peak FLOP/s, where the figure comes from) for this rank's device."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS.items():  # most specific names first
+            if key in name:
+                return value, f"{key} spec-sheet dense bf16"
+        return measured_matmul_flops(device, torch.bfloat16), f"{name}: measured bf16 matmul"
+    return measured_matmul_flops(device, torch.float32), "measured CPU fp32 matmul"
+
+
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 512, repeats: int = 10) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def recompute_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Extra training FLOPs per token that config.recompute costs (hardware FLOPs minus model FLOPs).
+
+    One more forward of what is recomputed: the attention core is 2 matmuls of 2 s n_q d FLOPs per
+    token per layer; a whole layer adds 2 FLOPs per layer parameter per token on top of that.
+    """
+    core = 4 * config.num_layers * seq_len * config.num_attention_heads * config.head_dim
+    if config.recompute == "none":
+        return 0
+    if config.recompute == "selective":
+        return core
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    layer_params = config.num_active_params() - embeddings - config.hidden_size  # per token; not embedding, head, final norm
+    return 2 * layer_params + core
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """6N + 12 L h s (flops_per_token), plus what recomputation runs again."""
+    return flops_per_token(config, seq_len) + recompute_flops_per_token(config, seq_len)
+
+
+# ---- Activations: bytes a layer saves for backward ------------------------------------------
+
+def activation_bytes_per_layer(config: ModelConfig, batch: int, seq: int, *, dtype_bytes: int = 4) -> int:
+    """Bytes one decoder layer saves for backward, for config.attention and config.recompute."""
+    a, tokens = dtype_bytes, batch * seq
+    q_width = config.num_attention_heads * config.head_dim                 # n_q d
+    kv_width = config.num_key_value_heads * config.head_dim                # n_kv d
+    if config.recompute == "full":
+        return a * tokens * config.hidden_size                              # the layer input, kept by the checkpoint
+    norms = 2 * rms_norm_bytes(tokens, config.hidden_size, a)
+    attention = a * tokens * (2 * q_width + 2 * kv_width)                  # q, k (after RoPE), v, output
+    mlp = 4 * a * tokens * config.intermediate_size                        # gate, silu(gate), up, product
+    if config.recompute == "none":
+        attention += attention_core_bytes(config, batch, seq, a)
+    return norms + attention + mlp
+
+
+def rms_norm_bytes(tokens: int, hidden: int, dtype_bytes: int) -> int:
+    """Input in fp32 (pow and mul save it), normalised x and the output (read by the next matmuls), 1/rms."""
+    return (4 + 2 * dtype_bytes) * tokens * hidden + 4 * tokens
+
+
+def attention_core_bytes(config: ModelConfig, batch: int, seq: int, dtype_bytes: int) -> int:
+    """What the core softmax(q k^T) v saves beyond its inputs and output: selective recomputation drops it."""
+    heads = config.num_attention_heads
+    if config.attention == "sdpa":
+        return 4 * batch * heads * seq                                     # fp32 log-sum-exp per query row
+    kv_copies = 2 * dtype_bytes * batch * seq * (heads - config.num_key_value_heads) * config.head_dim
+    return kv_copies + dtype_bytes * batch * heads * seq * seq             # (b, n_q, s, s) probabilities
+
+
+def activation_bytes(config: ModelConfig, batch: int, seq: int, *, dtype_bytes: int = 4) -> int:
+    """Activation bytes of the whole model for one micro-batch of (batch, seq) tokens."""
+    tokens = batch * seq
+    return (config.num_layers * activation_bytes_per_layer(config, batch, seq, dtype_bytes=dtype_bytes)
+            + rms_norm_bytes(tokens, config.hidden_size, dtype_bytes)     # final norm
+            + 4 * tokens * config.vocab_size                               # fp32 log-probabilities of the loss
+            + 2 * seq * config.head_dim * dtype_bytes)                     # RoPE cos/sin rows, shared by all layers

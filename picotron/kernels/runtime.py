@@ -1,0 +1,87 @@
+"""Where the kernels run: compiled on a GPU, in the Triton interpreter without one (chapters/09_gpu_kernels.ipynb).
+
+Every kernel file of picotron/kernels/ imports this module before it defines a kernel; it imports
+nothing from picotron. It holds:
+
+    INTERPRETED      True when the kernels run in the Triton interpreter (on the CPU)
+    kernel_device    where the kernels' tensors must live: "cpu" interpreted, "cuda" compiled
+    check_device     a clear error for a tensor that is elsewhere
+
+On a machine without a GPU the kernels run in the Triton interpreter, which executes each program
+with numpy on the CPU: same code, same results, no speed (Playbook, "A primer on GPU", "Fused
+kernels"; docs/design.md, "CPU first, GPU real"). The interpreter is Triton's only CPU path, and
+triton decides between interpreting and compiling when `@triton.jit` wraps a function, from
+TRITON_INTERPRET. So this module sets that variable itself, before any kernel is defined; a user who
+sets it (to debug on a GPU) keeps their choice. The rest of picotron never imports the kernels at
+import time: triton is loaded only by code that asks for a kernel.
+
+Import order. triton's own library functions (tl.max, tl.sum, tl.cdiv, ...) are also @triton.jit
+functions, wrapped when triton is first imported; and torch imports triton early (torch._dynamo
+does, so the first torch.optim step or torch.compile does). When that happened before this module
+set TRITON_INTERPRET, those functions were made for the compiler, and an interpreted kernel that
+calls them fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
+`_interpret_triton_library` rewraps them for the interpreter, so the import order does not matter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+__all__ = ["INTERPRETED", "kernel_device", "check_device"]
+
+if not torch.cuda.is_available():
+    # No GPU: the interpreter is the only way to run a Triton kernel at all (triton >= 3.8 with numpy 2.4).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+"""True when the kernels run in the Triton interpreter (on the CPU), False when they compile for the GPU."""
+
+if not INTERPRETED and not torch.cuda.is_available():
+    raise ImportError("picotron.kernels: there is no GPU and TRITON_INTERPRET is set to "
+                      f"{os.environ['TRITON_INTERPRET']!r}, so Triton can neither compile nor interpret its "
+                      "kernels; unset TRITON_INTERPRET (or set it to 1) before importing picotron.kernels")
+
+
+def _interpret_triton_library() -> int:
+    """Rewrap triton.language's @jit functions for the interpreter if triton was imported before
+    TRITON_INTERPRET was set (see the module docstring). Returns how many it rewrapped (0 normally)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    rewrapped: dict[int, InterpretedFunction] = {}
+
+    def interpreted(value: JITFunction) -> InterpretedFunction:
+        if id(value) not in rewrapped:
+            rewrapped[id(value)] = InterpretedFunction(value.fn)
+        return rewrapped[id(value)]
+
+    modules = [module for name, module in list(sys.modules.items())
+               if module is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    for namespace in [*modules, tl.tensor]:     # module functions, and tensor methods such as x.max()
+        for name, value in list(vars(namespace).items()):
+            if isinstance(value, JITFunction):
+                setattr(namespace, name, interpreted(value))
+    return len(rewrapped)
+
+
+if INTERPRETED:
+    _interpret_triton_library()
+
+
+def kernel_device() -> torch.device:
+    """Where the kernels' tensors must live: the GPU when they compile, the CPU when interpreted."""
+    return torch.device("cpu") if INTERPRETED else torch.device("cuda", torch.cuda.current_device())
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Raise a clear error when a tensor is not where the kernels run."""
+    want = kernel_device().type
+    for t in tensors:
+        if t.device.type != want:
+            how = "in the Triton interpreter (no GPU here)" if INTERPRETED else "compiled for the GPU"
+            raise ValueError(f"picotron.kernels runs {how}, so its tensors must be on {want}, but one is on "
+                             f"{t.device}; move it with .to('{want}')")
