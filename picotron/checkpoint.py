@@ -1,5 +1,7 @@
 """Checkpoints: save the training state, resume it exactly, and load it into another layout.
 
+Shown in chapters/08_5d_parallelism.ipynb (resume bit for bit, then in another layout).
+
 A checkpoint written by 4 ranks as dp=2 x tp=2 should load into tp=4, into one process, or into
 pp=2: the layout is a property of the run, not of the model. So nothing here is stored as a rank
 holds it. Every rank describes its state with the single-process model's parameter names

@@ -101,84 +101,80 @@ def counting(counter: CommCounter | None = None) -> Iterator[CommCounter]:
 
 
 def record(op: str, *tensors: torch.Tensor) -> None:
-    """Count a transfer that does not go through these wrappers (an isend the caller posts itself)."""
-    _count(None, op, *tensors)
-
-
-def _count(counter: CommCounter | None, op: str, *tensors: torch.Tensor) -> None:
+    """Count one call of `op` with these tensors' payload bytes into every open counter. The wrappers
+    below call it; so does code that posts its own transfers (an isend of a pipeline or a ring)."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    targets = _open_counters + ([counter] if counter is not None else [])
-    for target in {id(c): c for c in targets}.values():   # each counter once, however often it is open
-        target.record(op, nbytes)
+    for counter in {id(c): c for c in _open_counters}.values():   # each counter once, however often it is open
+        counter.record(op, nbytes)
 
 
-def all_reduce(tensor, group=None, op=ReduceOp.SUM, *, counter=None, async_op=False):
+def all_reduce(tensor, group=None, op=ReduceOp.SUM, *, async_op=False):
     """Every rank ends with the reduction (sum by default) of everyone's `tensor`, in place."""
-    _count(counter, "all_reduce", tensor)
+    record("all_reduce", tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def broadcast(tensor, src, group=None, *, counter=None, async_op=False):
+def broadcast(tensor, src, group=None, *, async_op=False):
     """Every rank ends with global rank `src`'s `tensor`, in place."""
-    _count(counter, "broadcast", *([tensor] if dist.get_rank() == src else []))
+    record("broadcast", *([tensor] if dist.get_rank() == src else []))
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def reduce(tensor, dst, group=None, op=ReduceOp.SUM, *, counter=None, async_op=False):
+def reduce(tensor, dst, group=None, op=ReduceOp.SUM, *, async_op=False):
     """Global rank `dst` ends with the reduction of everyone's `tensor`; the others' are scratch."""
-    _count(counter, "reduce", tensor)
+    record("reduce", tensor)
     return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
 
 
-def all_gather(output, input, group=None, *, counter=None, async_op=False):
+def all_gather(output, input, group=None, *, async_op=False):
     """`output` (world x input's numel, rank-major) gets every rank's `input`."""
-    _count(counter, "all_gather", input)
+    record("all_gather", input)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter(output, input, group=None, op=ReduceOp.SUM, *, counter=None, async_op=False):
+def reduce_scatter(output, input, group=None, op=ReduceOp.SUM, *, async_op=False):
     """Reduce everyone's `input` and give rank i the i-th 1/world slice of it in `output`."""
-    _count(counter, "reduce_scatter", input)
+    record("reduce_scatter", input)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
-def gather(tensor, gather_list=None, dst=0, group=None, *, counter=None, async_op=False):
+def gather(tensor, gather_list=None, dst=0, group=None, *, async_op=False):
     """Global rank `dst` gets every rank's `tensor` in `gather_list` (None on other ranks)."""
-    _count(counter, "gather", tensor)
+    record("gather", tensor)
     return dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
 
 
-def scatter(tensor, scatter_list=None, src=0, group=None, *, counter=None, async_op=False):
+def scatter(tensor, scatter_list=None, src=0, group=None, *, async_op=False):
     """Rank i gets `scatter_list[i]` from global rank `src` in `tensor`."""
-    _count(counter, "scatter", *(scatter_list or []))
+    record("scatter", *(scatter_list or []))
     return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
 
 
 def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, *,
-               counter=None, async_op=False):
+               async_op=False):
     """Rank i sends the j-th chunk of `input` to rank j and receives rank j's i-th chunk."""
-    _count(counter, "all_to_all", input)
+    record("all_to_all", input)
     return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                   group=group, async_op=async_op)
 
 
-def send(tensor, dst, group=None, *, counter=None):
-    _count(counter, "send", tensor)
+def send(tensor, dst, group=None):
+    record("send", tensor)
     dist.send(tensor, dst=dst, group=group)
 
 
-def recv(tensor, src, group=None, *, counter=None):
-    _count(counter, "recv")
+def recv(tensor, src, group=None):
+    record("recv")
     dist.recv(tensor, src=src, group=group)
 
 
-def send_recv(send_tensor, dst, recv_tensor, src, group=None, *, counter=None):
+def send_recv(send_tensor, dst, recv_tensor, src, group=None):
     """Send to `dst` and receive from `src` at the same time (a ring step); both block until done.
 
     Posting both before waiting is what keeps a ring from deadlocking: if every rank first
     sent and only then received, every rank would wait for a receiver that is itself sending.
     """
-    _count(counter, "send", send_tensor)
+    record("send", send_tensor)
     ops = [dist.P2POp(dist.isend, send_tensor, dst, group), dist.P2POp(dist.irecv, recv_tensor, src, group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
@@ -190,7 +186,7 @@ def wait_all(requests: Iterable) -> None:
             request.wait()
 
 
-def ring_all_reduce(tensor, group=None, *, counter=None):
+def ring_all_reduce(tensor, group=None):
     """Sum `tensor` over the ranks of `group`, in place, with a ring built from `send_recv`.
 
     The tensor is cut into N chunks (N = ranks in the group; when N does not divide the size,
@@ -218,11 +214,11 @@ def ring_all_reduce(tensor, group=None, *, counter=None):
     incoming = torch.empty_like(chunks[0])     # chunk 0 is the longest
     for step in range(world - 1):              # reduce-scatter
         send, recv = chunks[(me - step) % world], chunks[(me - step - 1) % world]
-        send_recv(send, right, incoming[: recv.numel()], left, group, counter=counter)
+        send_recv(send, right, incoming[: recv.numel()], left, group)
         recv += incoming[: recv.numel()]
     for step in range(world - 1):              # all-gather
         send, recv = chunks[(me + 1 - step) % world], chunks[(me - step) % world]
-        send_recv(send, right, recv, left, group, counter=counter)
+        send_recv(send, right, recv, left, group)
     if not tensor.is_contiguous():             # the sum was made in a copy
         tensor.copy_(flat.view(tensor.shape))
     return tensor

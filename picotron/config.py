@@ -1,5 +1,8 @@
 """Configuration: what model, how it is split over ranks, how it is trained.
 
+The fields and their own rules; the rules that involve a technique are that technique's, and
+picotron.layout.validate runs them all (docs/design.md, "Layers").
+
 Three plain dataclasses travel through the code explicitly (no globals, no environment
 variables): `ModelConfig` (the shape of the Llama-style decoder), `ParallelConfig` (the
 dp x pp x cp x tp grid) and `TrainConfig` (batch, steps, optimizer). `Config` groups them

@@ -69,7 +69,8 @@ def recompute_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     if config.recompute == "selective":
         return core
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    layer_params = config.num_active_params() - embeddings - config.hidden_size  # per token; not embedding, head, final norm
+    # Per token: every parameter but the embedding, the head and the final norm.
+    layer_params = config.num_active_params() - embeddings - config.hidden_size
     return 2 * layer_params + core
 
 

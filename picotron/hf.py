@@ -1,5 +1,7 @@
 """Load a Hugging Face Llama checkpoint folder (config.json + *.safetensors) into `picotron.model.Llama`.
 
+tests/test_model.py checks that its logits equal transformers' for the same checkpoint.
+
 picotron's decoder holds the same tensors as transformers' `LlamaForCausalLM` under shorter
 names, and applies RoPE with the same "rotate_half" convention, so loading is a rename and a
 copy: no weight is permuted or reshaped. Only the `safetensors` package is needed;

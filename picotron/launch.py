@@ -1,5 +1,8 @@
 """Run a function on N ranks: from a notebook cell, a test or a script.
 
+The first chapter (chapters/00_collectives.ipynb) starts here; docs/design.md, "Starting ranks",
+says why the ranks are forked by a rank server and never from the caller.
+
     def step():
         rank = dist.get_rank()
         ...

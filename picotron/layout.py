@@ -1,5 +1,7 @@
 """Whether a configuration can run: every rule a layout must satisfy, in one call.
 
+The allowed combinations are drawn in chapters/08_5d_parallelism.ipynb.
+
 `validate(config, world_size)` checks the fields (types, bounds, choices: picotron.config), each
 technique's own rules (the pipeline's stages and schedule, context parallelism's split of the
 heads and the sequence, ...), and the pairings of techniques the trainer does not compose. Each

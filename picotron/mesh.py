@@ -1,5 +1,7 @@
 """The process grid: which ranks talk to which, for each kind of parallelism.
 
+Chapter: chapters/08_5d_parallelism.ipynb (the mesh and its rank order); docs/design.md, "The mesh".
+
 A world of dp * pp * cp * tp ranks is laid out as a 4-D grid. The order matters for speed:
 tensor parallelism communicates inside every layer, so its ranks are neighbours (innermost,
 on the same node's NVLink); pipeline parallelism only passes activations between stages,
@@ -11,8 +13,8 @@ For dp=2, tp=2 (4 ranks): ranks 0,1 form tp group 0 and ranks 2,3 tp group 1; ra
 and 1,3 are the dp groups.
 
 A `Mesh` is an explicit object: build it inside the function `picotron.launch.run` runs on
-each rank, and pass it (never a global) to everything that communicates. It also owns the
-`CommCounter` that picotron.comm's wrappers fill.
+each rank, and pass it (never a global) to everything that communicates. It also carries a
+`CommCounter`, `mesh.counter`, for whoever measures: `with comm.counting(mesh.counter): ...`.
 """
 
 from __future__ import annotations

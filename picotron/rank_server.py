@@ -1,5 +1,7 @@
 """The rank server: the helper process behind `picotron.launch.run`, and what each rank does.
 
+Why it exists: docs/design.md, "Starting ranks".
+
 `run` starts this module once per caller, in a fresh Python (`serve`): it imports torch and
 picotron's heavy dependencies, then only waits. For each launch the caller sends one request
 (the pickled function, the caller's environment, working directory and sys.path, and two pipe

@@ -1,5 +1,8 @@
 """How far apart two computations of the same numbers may be when they differ only in rounding.
 
+The policy behind every equivalence test and proof cell (docs/design.md, "Equivalence and
+tolerances"); chapter 00 meets it first, comparing a ring all-reduce with torch's.
+
 Two correct programs that compute the same sum of n terms (the K products of a matmul, one
 gradient from every rank of an all-reduce, the row of a softmax) add them in different orders:
 another CPU's vector width, a GPU's reduction tree, a matmul split over tp ranks, another

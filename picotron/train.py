@@ -265,7 +265,8 @@ class Trainer:
         the last pp stage's copy of a tied embedding: it is the first stage's matrix again."""
         if id(param) in self._tied_copies:
             return False
-        return grad_norm.counted_here(param, self.mesh, sharded_over_dp=self.zero is not None, ep=self.config.parallel.ep)
+        return grad_norm.counted_here(param, self.mesh, sharded_over_dp=self.zero is not None,
+                                      ep=self.config.parallel.ep)
 
     @functools.cached_property
     def _tied_copies(self) -> set[int]:
@@ -352,6 +353,35 @@ def check_outputs(t: TrainConfig, *, log_file: bool = True) -> None:
         checkpoint.check_save_dir(t.save_dir)
 
 
+def describe(config: Config, world: int, *, distributed: bool = True) -> str:
+    """One line: the model's size and how it is split ("model 1.02M parameters, 8 rank(s), dp=2 ZeRO-1 tp=2 ...")."""
+    p = config.parallel
+    zero = f" ZeRO-{p.zero_stage}" if p.zero_stage and distributed else ""
+    tp_text = f" tp={p.tp}{' +SP' if p.sequence_parallel else ''}" if p.tp > 1 else ""
+    tp_text += f" pp={p.pp} ({p.pp_schedule})" if p.pp > 1 else ""
+    cp_text = f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
+    cp_text += f" ep={p.ep}" if p.ep > 1 else ""
+    return (f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
+            f"dp={p.dp}{zero}{tp_text}{cp_text}")
+
+
+def _first_step(trainer: Trainer, t: TrainConfig, is_logger: bool) -> int:
+    """The step to train from: 0, or the resumed checkpoint's. With nothing left to train, says so, and a
+    fresh run with save_dir saves its initial state (the state "after the last step")."""
+    start = checkpoint.load(trainer, t.resume) if t.resume else 0    # every rank reads its part
+    if is_logger and t.resume:
+        print(f"resumed from {t.resume} at step {start}")
+    if start >= t.steps:   # nothing to train
+        initial = os.path.join(t.save_dir, f"step_{start:06d}") if t.save_dir and not t.resume else None
+        if is_logger:
+            saved = (f"; saving the initial state to {initial}" if initial else
+                     f"; no checkpoint written to {t.save_dir} ({t.resume} holds this state)" if t.save_dir else "")
+            print(f"steps={t.steps}: nothing to train{f' from step {start}' if t.resume else ''}{saved}")
+        if initial:
+            checkpoint.save(trainer, initial, start)    # every rank writes its part
+    return start
+
+
 def train(config: Config, *, progress: bool = True) -> dict:
     """Train on this rank (a process group must exist if the world has more than one rank).
 
@@ -374,27 +404,10 @@ def train(config: Config, *, progress: bool = True) -> dict:
     flops_token = flops_per_token(config.model, config.train.seq_len)
     history = {"loss": [], "tokens_per_s": [], "mfu": [], "peak_source": peak_source}
     if is_logger:
-        p = config.parallel
-        zero = f" ZeRO-{p.zero_stage}" if p.zero_stage and mesh else ""
-        tp_text = f" tp={p.tp}{' +SP' if p.sequence_parallel else ''}" if p.tp > 1 else ""
-        tp_text += f" pp={p.pp} ({p.pp_schedule})" if p.pp > 1 else ""
-        cp_text = f" cp={p.cp} ({p.cp_mode})" if p.cp > 1 else ""
-        cp_text += f" ep={p.ep}" if p.ep > 1 else ""
-        print(f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
-              f"dp={p.dp}{zero}{tp_text}{cp_text}, {tokens_per_step} tokens per step; MFU against {peak_source} "
-              f"({peak / 1e9:.1f} GFLOP/s per rank)")
+        print(f"{describe(config, world, distributed=mesh is not None)}, {tokens_per_step} tokens per step; "
+              f"MFU against {peak_source} ({peak / 1e9:.1f} GFLOP/s per rank)")
     t = config.train
-    start = checkpoint.load(trainer, t.resume) if t.resume else 0    # every rank reads its part
-    if is_logger and t.resume:
-        print(f"resumed from {t.resume} at step {start}")
-    if start >= t.steps:   # nothing to train
-        initial = os.path.join(t.save_dir, f"step_{start:06d}") if t.save_dir and not t.resume else None
-        if is_logger:
-            saved = (f"; saving the initial state to {initial}" if initial else
-                     f"; no checkpoint written to {t.save_dir} ({t.resume} holds this state)" if t.save_dir else "")
-            print(f"steps={t.steps}: nothing to train{f' from step {start}' if t.resume else ''}{saved}")
-        if initial:
-            checkpoint.save(trainer, initial, start)    # every rank writes its part
+    start = _first_step(trainer, t, is_logger)
     log = open(t.log_file, "a") if is_logger and t.log_file else None
     bar = tqdm(range(start, t.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
@@ -427,7 +440,8 @@ def train(config: Config, *, progress: bool = True) -> dict:
     return history
 
 
-def parse_args(argv: list[str] | None) -> Config:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: every flag overrides one field of the configuration (a --config file or the defaults)."""
     parser = argparse.ArgumentParser(prog="python -m picotron.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="JSON file with 'model', 'parallel' and 'train' sections")
     parser.add_argument("--preset", help=f"model shape: {', '.join(PRESETS)}")
@@ -475,7 +489,12 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--save-every", dest="save_every", type=int,
                         help="steps between checkpoints (default: only after the last step)")
     parser.add_argument("--resume", help="a checkpoint directory to continue from, saved with any layout")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> Config:
+    """The configuration a command line asks for: the --config file (or 4-rank defaults), then each flag."""
+    args = _parser().parse_args(argv)
 
     config = Config.from_json(args.config) if args.config else Config(parallel=ParallelConfig(dp=4))
     if args.preset:

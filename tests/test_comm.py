@@ -20,22 +20,23 @@ def every_wrapper():
     counter = comm.CommCounter()
     mine = torch.arange(4.0) + 10 * rank                         # rank r: [10r, 10r+1, 10r+2, 10r+3]
     out = {}
-
-    x = mine.clone(); comm.all_reduce(x, counter=counter); out["all_reduce"] = x
-    x = mine.clone(); comm.broadcast(x, src=1, counter=counter); out["broadcast"] = x
-    x = mine.clone(); comm.reduce(x, dst=0, counter=counter); out["reduce"] = x
-    x = torch.empty(4 * n); comm.all_gather(x, mine, counter=counter); out["all_gather"] = x
-    big = torch.arange(2.0 * n) + rank                           # 2 elements per rank after the scatter
-    x = torch.empty(2); comm.reduce_scatter(x, big, counter=counter); out["reduce_scatter"] = x
-    pieces = [torch.empty(4) for _ in range(n)] if rank == 0 else None
-    comm.gather(mine, pieces, dst=0, counter=counter); out["gather"] = pieces
-    pieces = [torch.full((3,), float(i)) for i in range(n)] if rank == 0 else None
-    x = torch.empty(3); comm.scatter(x, pieces, src=0, counter=counter); out["scatter"] = x
-    x = torch.empty(n); comm.all_to_all(x, torch.arange(float(n)) + 10 * rank, counter=counter)
-    out["all_to_all"] = x
-    x = torch.empty(5)                                           # a ring pass: rank r -> r+1
-    comm.send_recv(torch.full((5,), float(rank)), (rank + 1) % n, x, (rank - 1) % n, counter=counter)
-    out["send_recv"] = x
+    comm.all_reduce(mine.clone())                                # no counter open: not counted
+    with comm.counting(counter):
+        x = mine.clone(); comm.all_reduce(x); out["all_reduce"] = x
+        x = mine.clone(); comm.broadcast(x, src=1); out["broadcast"] = x
+        x = mine.clone(); comm.reduce(x, dst=0); out["reduce"] = x
+        x = torch.empty(4 * n); comm.all_gather(x, mine); out["all_gather"] = x
+        big = torch.arange(2.0 * n) + rank                           # 2 elements per rank after the scatter
+        x = torch.empty(2); comm.reduce_scatter(x, big); out["reduce_scatter"] = x
+        pieces = [torch.empty(4) for _ in range(n)] if rank == 0 else None
+        comm.gather(mine, pieces, dst=0); out["gather"] = pieces
+        pieces = [torch.full((3,), float(i)) for i in range(n)] if rank == 0 else None
+        x = torch.empty(3); comm.scatter(x, pieces, src=0); out["scatter"] = x
+        x = torch.empty(n); comm.all_to_all(x, torch.arange(float(n)) + 10 * rank)
+        out["all_to_all"] = x
+        x = torch.empty(5)                                           # a ring pass: rank r -> r+1
+        comm.send_recv(torch.full((5,), float(rank)), (rank + 1) % n, x, (rank - 1) % n)
+        out["send_recv"] = x
     return out, counter.snapshot()
 
 
@@ -70,12 +71,12 @@ def test_every_wrapper_computes_and_counts(world):
 
 
 def point_to_point():
-    counter = comm.CommCounter()
-    if dist.get_rank() == 0:
-        comm.send(torch.ones(6), dst=1, counter=counter)
-        return None, counter.snapshot()
-    x = torch.zeros(6)
-    comm.recv(x, src=0, counter=counter)
+    with comm.counting() as counter:
+        if dist.get_rank() == 0:
+            comm.send(torch.ones(6), dst=1)
+            return None, counter.snapshot()
+        x = torch.zeros(6)
+        comm.recv(x, src=0)
     return x, counter.snapshot()
 
 
@@ -130,8 +131,8 @@ def test_ring_all_reduce_equals_dist_all_reduce(world):
 
 
 def ring_counts(numel):
-    counter = comm.CommCounter()
-    comm.ring_all_reduce(torch.ones(numel), counter=counter)
+    with comm.counting() as counter:
+        comm.ring_all_reduce(torch.ones(numel))
     return counter.snapshot()
 
 
@@ -221,3 +222,23 @@ def test_mesh_errors_speak_to_the_user(sizes, words):
 def test_mesh_outside_a_process_group_says_where_to_build_it():
     with pytest.raises(RuntimeError, match="inside the function"):
         Mesh(dp=1)
+
+
+def counting_contexts():
+    """Counters nest, a counter open twice records once, and a collective from another thread of the
+    process (as autograd's threads issue them in backward) is counted too."""
+    import threading
+    outer, inner = comm.CommCounter(), comm.CommCounter()
+    with comm.counting(outer):
+        comm.all_reduce(torch.ones(2))
+        with comm.counting(inner), comm.counting(outer):
+            worker = threading.Thread(target=comm.all_reduce, args=(torch.ones(3),))
+            worker.start()
+            worker.join()
+    comm.all_reduce(torch.ones(5))                               # after the blocks: nothing records it
+    return outer.snapshot(), inner.snapshot(), len(comm._open_counters)
+
+
+def test_counting_nests_and_counts_other_threads():
+    for outer, inner, still_open in run(counting_contexts, 2):
+        assert outer == {"all_reduce": (2, 20)} and inner == {"all_reduce": (1, 12)} and still_open == 0

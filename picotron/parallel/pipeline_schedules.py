@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = ["Action", "Schedule", "Event", "naive_schedule", "afab_schedule", "one_f_one_b_schedule",
-           "interleaved_schedule", "zb_h1_schedule", "make_schedule", "SCHEDULES", "check_stages", "check_pipeline", "check_schedule", "simulate",
-           "peak_in_flight", "bubble_fraction", "bubble_formula"]
+           "interleaved_schedule", "zb_h1_schedule", "make_schedule", "SCHEDULES", "check_stages", "check_pipeline",
+           "check_schedule", "simulate", "peak_in_flight", "bubble_fraction", "bubble_formula"]
 
 
 # ---- schedules as data ---------------------------------------------------------------------------------
