@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from picotron.rank_server import RankError, receive, seed_everything, send
 
-__all__ = ["run", "device", "backend_for", "RankError"]
+__all__ = ["run", "device", "backend_for"]
 
 
 def backend_for(world_size: int) -> str:

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import picotron.launch as launch
-from picotron.launch import RankError, run
+from picotron.launch import run
+from picotron.rank_server import RankError
 
 
 def _children() -> list:

@@ -106,3 +106,23 @@ def test_the_check_finds_a_cycle(tmp_path, late):
     graph = import_graph(package)
     assert graph["pkg.c"] == {"pkg.a"}                     # torch is not an edge
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_no_module_re_exports_what_another_defines():
+    """A name in a module's __all__ is defined there: importers take each name from where it is written."""
+    re_exports = {}
+    for path in sorted((ROOT / "picotron").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        defined, public = set(), []
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+                if "__all__" in names:
+                    public = [element.value for element in node.value.elts]
+                defined |= names
+        if [name for name in public if name not in defined]:
+            re_exports[str(path.relative_to(ROOT))] = [name for name in public if name not in defined]
+    assert not re_exports, f"re-exported names: {re_exports}"
