@@ -1,10 +1,26 @@
 """What one model costs on one process, in FLOPs and in bytes: the formulas every chapter builds on.
 
 - FLOPs per token of training (6N + 12 L h s, plus what recomputation runs again) and the peak
-  FLOP/s of this rank's device, the two halves of MFU (chapters/01_memory.ipynb, chapters/08_5d_parallelism.ipynb).
+  FLOP/s of this rank's device, the two halves of MFU (chapters/01_memory.ipynb and
+  chapters/08_5d_parallelism.ipynb; docs/design.md, "FLOPs, peaks and MFU").
 - The bytes a decoder layer saves for backward, term by term (chapters/01_memory.ipynb, section on
   activations); each technique's cost module (picotron/parallel/*_costs.py) divides these terms
   over its ranks, and picotron.memory adds them up per rank.
+
+Activations of one decoder layer of picotron's Llama, in bytes (b batch, s sequence, h hidden,
+n_q / n_kv query / key-value heads of width d, f MLP width, a bytes per activation: 4 in fp32,
+2 in bf16), counting what autograd really saves (chapter 01 lists it tensor by tensor):
+
+    RMSNorm, twice   (4 + 2a) b s h + 4 b s   fp32 input, normalised x, output; 1/rms per token
+    attention        a b s (2 n_q d + 2 n_kv d) q and k after RoPE, v, attention output
+        sdpa         + 4 b n_q s                log-sum-exp per query row (fp32)
+        eager        + 2a b s (n_q - n_kv) d     k and v copied for every query head (GQA)
+                     + a b n_q s^2              softmax probabilities: the quadratic term
+    SwiGLU MLP       4 a b s f                  gate out, silu(gate), up out, their product
+
+Recomputation keeps less: "selective" drops the attention core's own tensors (the last two
+lines of attention), "full" keeps only each layer's input, a b s h. Once per model: the final
+RMSNorm, the fp32 log-probabilities of the loss, 4 b s V, and the RoPE cos/sin rows, 2 s d a.
 
 This module imports only the configuration: it sits below the model and every technique.
 """

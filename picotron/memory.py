@@ -16,20 +16,8 @@ Bytes per parameter (parameters + gradients + optimizer state), N = ModelConfig.
 
 plus AdamW's step counter, one fp32 scalar per parameter tensor.
 
-Activations of one decoder layer of picotron's Llama, in bytes (b batch, s sequence, h hidden,
-n_q / n_kv query / key-value heads of width d, f MLP width, a bytes per activation: 4 in fp32,
-2 in bf16), counting what autograd really saves (chapter 01 lists it tensor by tensor):
-
-    RMSNorm, twice   (4 + 2a) b s h + 4 b s   fp32 input, normalised x, output; 1/rms per token
-    attention        a b s (2 n_q d + 2 n_kv d) q and k after RoPE, v, attention output
-        sdpa         + 4 b n_q s                log-sum-exp per query row (fp32)
-        eager        + 2a b s (n_q - n_kv) d     k and v copied for every query head (GQA)
-                     + a b n_q s^2              softmax probabilities: the quadratic term
-    SwiGLU MLP       4 a b s f                  gate out, silu(gate), up out, their product
-
-Recomputation keeps less: "selective" drops the attention core's own tensors (the last two
-lines of attention), "full" keeps only each layer's input, a b s h. Once per model: the final
-RMSNorm, the fp32 log-probabilities of the loss, 4 b s V, and the RoPE cos/sin rows, 2 s d a.
+Activations: what one decoder layer saves for backward, term by term, is picotron.costs's
+(`activation_bytes_per_layer`, with the table of its terms); recomputation keeps less.
 
 `estimate_memory` adds it all up from the configs; `measure_memory` runs a real (or fake)
 training step under `MemoryTracker` and returns the same breakdown, measured.
@@ -78,13 +66,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from picotron.parallel.zero import check_zero_stage
 from picotron.layout import validate
 from picotron.model import Llama, loss_fn
 from picotron.parallel.context_parallel_costs import cp_activation_bytes_per_layer
-from picotron.parallel.pipeline_parallel import stage_layers
-from picotron.parallel.pipeline_schedules import make_schedule
+from picotron.parallel.pipeline_schedules import make_schedule, stage_layers
 from picotron.parallel.tensor_parallel_costs import tp_activation_bytes_per_layer
+from picotron.parallel.zero import check_zero_stage
 
 GiB = 2**30
 

@@ -15,7 +15,7 @@ the formulas the chapters before measured, and one assumed number, the kernels' 
     cp               context_parallel_costs.cp_comm_bytes_per_layer: the ring's K,V blocks, hidden behind
                      the attention blocks they feed when computing a block takes longer (chapter 05);
                      Ulysses' all-to-alls are exposed
-    ep               expert_parallel.ep_comm_bytes: 4 T k h a per MoE layer, (ep-1)/ep of it on the
+    ep               expert_parallel_costs.ep_comm_bytes: 4 T k h a per MoE layer, (ep-1)/ep of it on the
                      wire, exposed (chapter 07)
     pp               pipeline_schedules.simulate: the step of the schedule's actions with each
                      micro-batch's forward, backward (and weight-gradient) time and each stage-to-stage
@@ -64,9 +64,8 @@ from picotron.config import ModelConfig, ParallelConfig, TrainConfig
 from picotron.costs import flops_per_token, training_flops_per_token
 from picotron.memory import GiB, MemoryBreakdown, estimate_memory, parameters_on_rank
 from picotron.parallel.context_parallel_costs import cp_comm_bytes_per_layer
-from picotron.parallel.expert_parallel import ep_comm_bytes
-from picotron.parallel.pipeline_parallel import stage_layers
-from picotron.parallel.pipeline_schedules import bubble_formula, make_schedule, simulate
+from picotron.parallel.expert_parallel_costs import ep_comm_bytes
+from picotron.parallel.pipeline_schedules import bubble_formula, make_schedule, simulate, stage_layers
 from picotron.parallel.tensor_parallel_costs import tp_comm_bytes_per_layer
 from picotron.parallel.zero import ring_bytes, zero_comm_bytes
 

@@ -1,4 +1,6 @@
-"""Course tooling: problem sizes, exercise generation, checks and grading.
+"""Course tooling: problem sizes, notebook helpers, exercise generation, checks and grading.
+
+Kept apart from the reference implementation (picotron/), which never imports it.
 
 Every notebook takes its problem sizes from `settings` so they are small on a laptop CPU
 (a chapter runs in about a minute) and larger on GPUs, never from environment variables:
@@ -7,9 +9,10 @@ Every notebook takes its problem sizes from `settings` so they are small on a la
     run(step, world_size=settings.world_size, timeout=settings.timeout)
 
 The assignments (solutions/ -> exercises/) use the rest of this package:
-`exercises` generates exercises from solutions and strips notebook outputs, `checks` holds
-the check each exercise cell calls, `grade` scores a learner's notebook; the command line
-is `python -m picotron_course generate | check | strip | grade` (see __main__.py).
+`exercises` generates exercises from solutions and strips notebook outputs, `checks_*` hold
+the check each exercise cell calls, `grade` scores a learner's notebook; the command line is
+`python -m picotron_course generate | check | strip | grade` (see __main__.py). `notebook` holds
+the figure and timing helpers the chapters share.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ from picotron.launch import run
 from picotron.mesh import Mesh
 from picotron.parallel.tensor_parallel import check_tensor_parallel
 from picotron.model import MoE, Llama, expert_capacity, load_balancing_loss, loss_fn, route
-from picotron.parallel.expert_parallel import (ExpertParallelGroups, ExpertParallelMoE, apply_expert_parallel,
-                                               average_gradients, check_expert_parallel, ep_comm_bytes,
-                                               ep_comm_per_layer, expert_parallel_groups)
+from picotron.parallel.expert_parallel import (
+    ExpertParallelGroups, ExpertParallelMoE, apply_expert_parallel, average_gradients, check_expert_parallel,
+    expert_parallel_groups)
+from picotron.parallel.expert_parallel_costs import ep_comm_bytes, ep_comm_per_layer
 from picotron.tolerance import assert_close, compare, compare_all
 
 # 8 experts: 4 per rank at ep=2, 2 at ep=4. A strong balancing loss, so that its gradient matters.

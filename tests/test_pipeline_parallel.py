@@ -27,9 +27,9 @@ from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import all_reduce_gradients
 from picotron.parallel.pipeline_parallel import (Timeline, build_stages, run_schedule, split_microbatches,
-                                                 stage_layers, stage_parameters, sync_tied_embeddings)
+                                                 stage_parameters, sync_tied_embeddings)
 from picotron.parallel.pipeline_schedules import (Action, Schedule, bubble_formula, bubble_fraction, check_schedule,
-                                                  make_schedule, peak_in_flight, simulate)
+                                                  make_schedule, peak_in_flight, simulate, stage_layers)
 from picotron.tolerance import ADAM_WEIGHTS_ATOL, LOSS_ATOL, compare_all, llama_roundings
 
 # 8 layers: pp=4 with v=2 interleaved chunks gets one layer per chunk.

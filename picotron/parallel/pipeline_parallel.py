@@ -39,27 +39,13 @@ from torch import nn
 
 from picotron import comm
 from picotron.model import Llama, recompute
-from picotron.parallel.pipeline_schedules import Action, Event, Schedule, check_schedule, check_stages
+from picotron.parallel.pipeline_schedules import Action, Event, Schedule, check_schedule, check_stages, stage_layers
 
-__all__ = ["Stage", "stage_layers", "build_stages", "stage_parameters", "split_microbatches", "ScheduleResult",
+__all__ = ["Stage", "build_stages", "stage_parameters", "split_microbatches", "ScheduleResult",
            "ScheduleObserver", "Timeline", "run_schedule", "sync_tied_embeddings"]
 
 
 # ---- splitting the model -------------------------------------------------------------------------------
-def stage_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Consecutive, balanced slices of the layers: stage s gets layers stage_layers(...)[s].
-
-    Sizes differ by at most one; the first stages get the extra layers, since the last stage also
-    computes the LM head and the loss.
-    """
-    check_stages(num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
-    bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 class Stage(nn.Module):
     """Stage `index` of `num_stages`: a slice of a Llama's layers, with the embedding on the first
     stage and the final norm and LM head on the last.

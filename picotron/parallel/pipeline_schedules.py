@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = ["Action", "Schedule", "Event", "naive_schedule", "afab_schedule", "one_f_one_b_schedule",
-           "interleaved_schedule", "zb_h1_schedule", "make_schedule", "SCHEDULES", "check_stages", "check_pipeline",
-           "check_schedule", "simulate", "peak_in_flight", "bubble_fraction", "bubble_formula"]
+           "interleaved_schedule", "zb_h1_schedule", "make_schedule", "SCHEDULES", "check_stages", "stage_layers",
+           "check_pipeline", "check_schedule", "simulate", "peak_in_flight", "bubble_fraction", "bubble_formula"]
 
 
 # ---- schedules as data ---------------------------------------------------------------------------------
@@ -172,6 +172,20 @@ def check_stages(num_layers: int, pp: int, virtual_stages: int = 1) -> None:
         raise ValueError(f"pp={pp} x virtual_stages={virtual_stages} = {stages} stages need at least {stages} layers, "
                          f"but num_layers={num_layers}: a stage needs at least one layer; lower pp (or "
                          f"virtual_stages), or use a model with more layers")
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Consecutive, balanced slices of the layers: stage s gets layers stage_layers(...)[s].
+
+    Sizes differ by at most one; the first stages get the extra layers, since the last stage also
+    computes the LM head and the loss.
+    """
+    check_stages(num_layers, num_stages)
+    base, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def check_pipeline(num_layers: int, pp: int, schedule: str, virtual_stages: int, num_microbatches: int) -> None:
