@@ -1,35 +1,19 @@
-"""FP8 training: number formats, scaling recipes and `Float8Linear` (chapter 10; Playbook, "Mixed
-precision training" and its "FP8 pretraining").
+"""FP8 training: number formats, scaling recipes and `Float8Linear`.
 
-An H100 multiplies fp8 matrices at twice its bf16 rate (1979 vs 989 dense TFLOP/s, spec sheet),
-and an fp8 copy of a tensor takes half the bytes. The price is precision and range: e4m3 keeps 3
-mantissa bits (8 values in [1, 2)) and covers 2^-9 .. 448; e5m2 keeps 2 bits and covers
-2^-16 .. 57344 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433).
-A tensor whose values sit elsewhere (weights ~0.02, gradients ~1e-6) would flush to zero or
-saturate, so each tensor is *scaled* into the format's range first:
+Chapter: chapters/10_mixed_precision.ipynb (Playbook, "Mixed precision training", "FP8
+pretraining"), which measures the formats and explains the recipes. In short: each tensor is
+scaled into the fp8 format's range before the cast (scale = amax / max_fp8; q = saturate(x /
+scale)), and a scaled matmul multiplies the fp8 values and then the two scales, so a scale must be
+constant along the contraction dimension. The recipes differ in what one scale covers and when it
+is known:
 
-    scale = amax / max_fp8                  amax = the largest |x| of the group the scale covers
-    q     = saturate(x / scale)  in fp8     saturate: clamp to +-max_fp8 (e5m2 would give inf)
-    x    ~= q * scale                       the dequantized value
+    tensorwise   one scale per tensor, dynamic
+    delayed      one scale per tensor, from the amaxes of the last `history_len` steps
+    rowwise      one scale per row of each operand, (M, 1) and (1, N)
+    blockwise    1 x 128 tiles for activations and gradients, 128 x 128 for weights (DeepSeek-V3)
 
-A matmul of two scaled operands multiplies the fp8 values and then the two scales; that is what
-`torch._scaled_mm(a, b, scale_a, scale_b)` does on GPUs with fp8 tensor cores (sm89+). The scale
-must be constant along the contraction dimension K of each product (it factors out of the sum),
-which decides the *granularity* a recipe can use:
-
-    tensorwise   one scale per tensor                    cheapest; one outlier shrinks everything else
-    rowwise      one scale per row of each operand       (M, 1) and (1, N) scales: an outlier token
-                                                         spoils only its own row
-    blockwise    1 x 128 tiles for activations and       DeepSeek-V3's recipe (arXiv:2412.19437, 3.3.2);
-                 gradients, 128 x 128 for weights        an outlier spoils only its tile
-
-and the *timing* of the scale: dynamic (amax of this very tensor, one extra pass over it) or
-delayed (the max of the amaxes of the last `history_len` steps, known before the tensor is:
-fusable, but a sudden larger value saturates; Transformer Engine's default for tensorwise).
-
-Forward uses e4m3 for activations and weights. Gradients span a wider range: with one scale per
-tensor they use e5m2 (the FP8 paper's "hybrid" choice); with finer scales each scale covers less
-range and e4m3's extra mantissa bit wins (DeepSeek-V3 uses e4m3 throughout).
+Forward uses e4m3; gradients use e5m2 with one scale per tensor (its wider range) and e4m3 with
+finer scales.
 
 `Float8Linear` is an `nn.Linear` whose three matmuls (forward; input and weight gradients in
 backward) use fp8 operands. On a CUDA GPU with fp8 support the tensorwise and rowwise products
