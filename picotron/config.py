@@ -213,6 +213,8 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0                # max global gradient norm; 0 disables clipping
     dataset: str = "arithmetic"           # "arithmetic" (built in) or a path to .txt / .jsonl files
+    tokenizer: str = ""                   # a Hugging Face tokenizer.json ("": bytes are the tokens)
+    cache_dir: str = ""                   # where tokenized corpora are kept ("": ~/.cache/picotron)
     log_every: int = 10
     eval_every: int = 0                   # 0: evaluate task accuracy only at the end
     backend: str = "auto"                 # "auto", "gloo" or "nccl"

@@ -10,7 +10,9 @@ pair) never appears in training: `arithmetic_eval_problems` draws from those, so
 (vocabulary 256): no tokenizer to train.
 
 Your own text: set `TrainConfig.dataset` to a .txt file, a .jsonl file (one object with a
-"text" field per line) or a folder of them; see `load_text`.
+"text" field per line) or a folder of them; see `load_text`. With `TrainConfig.tokenizer` (a
+Hugging Face tokenizer.json, read by the `tokenizers` library) the text is tokenized once into a
+file of token ids that every later run and every rank memory-maps (`tokenize_to_cache`).
 
 How ranks share the data (what the parallel chapters rely on):
 - Data parallelism: the global micro-batch for (step, micro_step) is dp_size *
@@ -28,11 +30,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from picotron.config import TrainConfig
@@ -180,11 +184,12 @@ class TokenDataset:
     """Non-overlapping windows of seq_len + 1 tokens: input = window[:-1], target = window[1:].
 
     `tokens` is 1-D and may be any integer dtype (uint8 keeps a byte corpus at one byte a
-    token); windows come out as long.
+    token), a tensor or a numpy array (a memory-mapped token file: a window is read when it is
+    asked for); windows come out as long tensors.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int):
-        if tokens.dim() != 1:
+    def __init__(self, tokens: torch.Tensor | np.ndarray, seq_len: int):
+        if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be at least 1 (tokens per training sequence)")
@@ -199,7 +204,8 @@ class TokenDataset:
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} out of range for a dataset of {len(self)} windows")
-        window = self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1].long()
+        window = self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
+        window = torch.from_numpy(window.astype(np.int64)) if isinstance(window, np.ndarray) else window.long()
         return window[:-1], window[1:]
 
 
@@ -312,16 +318,78 @@ class DataLoader:
 
 
 def build_dataset(train_config: TrainConfig) -> TokenDataset:
-    """Byte tokens of train_config.dataset ("arithmetic" or a path), cut into windows."""
+    """Tokens of train_config.dataset ("arithmetic" or a path), cut into windows: its bytes, or with
+    train_config.tokenizer the tokenizer's ids, read from a memory-mapped cache (`tokenize_to_cache`)."""
     if train_config.dataset == "arithmetic":
         text = arithmetic_corpus(ARITHMETIC_LINES, train_config.seed)
     else:
         text = load_text(train_config.dataset)
+    if train_config.tokenizer:
+        path = tokenize_to_cache(text, train_config.tokenizer, train_config.cache_dir or DEFAULT_CACHE)
+        return TokenDataset(read_token_file(path), train_config.seq_len)
     data = bytearray(text.encode("utf-8"))
     # uint8: one byte a token, 8x less than long; frombuffer wraps the bytes without a copy
     # (torch.tensor(data) takes 0.1 s a MB) but refuses an empty buffer.
     tokens = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return TokenDataset(tokens, train_config.seq_len)
+
+
+# ---- a real tokenizer: tokenized once, memory-mapped after -------------------------------------
+
+DEFAULT_CACHE = Path.home() / ".cache" / "picotron"
+
+
+def load_tokenizer(path: str | Path):
+    """A Hugging Face `tokenizers.Tokenizer` from its tokenizer.json, with a clear error if it cannot be read."""
+    from tokenizers import Tokenizer      # the `tokenizers` library: only runs that ask for a tokenizer load it
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {path} does not exist; give the path of a Hugging Face tokenizer.json "
+                                f"(e.g. from a model's folder on the Hub), or leave tokenizer empty for bytes")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:   # the library raises its own Exception type for a malformed file
+        raise ValueError(f"{path} is not a tokenizer.json the tokenizers library can read: {error}") from None
+
+
+def tokenize_to_cache(text: str, tokenizer_path: str | Path, cache_dir: str | Path) -> Path:
+    """Tokenize `text` once and keep the ids in a flat file of cache_dir; return its path.
+
+    The file's name is a hash of the text and of the tokenizer.json, so a changed corpus or a
+    changed tokenizer gets a file of its own, and an unchanged pair is never tokenized twice: every
+    later run (and every rank) only maps the file into memory. Ids are stored as uint16 when the
+    vocabulary fits (2 bytes a token), else uint32; a .json beside the .bin says which. The file is
+    written under a temporary name and renamed, so ranks that build it at once never read half of it.
+    """
+    tokenizer_bytes = Path(tokenizer_path).read_bytes() if Path(tokenizer_path).is_file() else b""
+    tokenizer = load_tokenizer(tokenizer_path)
+    key = hashlib.sha256(hashlib.sha256(tokenizer_bytes).digest() + text.encode("utf-8")).hexdigest()[:24]
+    cache_dir = Path(cache_dir)
+    path = cache_dir / f"tokens-{key}.bin"
+    if path.is_file() and path.with_suffix(".json").is_file():
+        return path
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"cache_dir={str(cache_dir)!r} (--cache-dir) cannot be created: {error.strerror or error}; "
+                         f"choose a directory this process may write to") from None
+    vocab = tokenizer.get_vocab_size()
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=dtype)
+    meta = {"dtype": np.dtype(dtype).name, "tokens": int(ids.size), "vocab_size": vocab,
+            "tokenizer": str(tokenizer_path)}
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    ids.tofile(temporary)
+    path.with_suffix(".json").write_text(json.dumps(meta))
+    os.replace(temporary, path)
+    return path
+
+
+def read_token_file(path: str | Path) -> np.memmap:
+    """The token ids of a `tokenize_to_cache` file, memory-mapped (read on demand, never copied whole)."""
+    path = Path(path)
+    meta = json.loads(path.with_suffix(".json").read_text())
+    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
 
 
 def make_loader(train_config: TrainConfig, *, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from picotron.config import Config, ModelConfig, ParallelConfig, check_fields, check_model_choices
+from picotron.data import load_tokenizer
 from picotron.parallel.context_parallel import check_context_parallel
 from picotron.parallel.expert_parallel import check_expert_parallel
 from picotron.parallel.pipeline_schedules import check_pipeline
@@ -45,6 +46,10 @@ def validate(config: Config, world_size: int | None = None) -> None:
     check_pipeline(m.num_layers, p.pp, p.pp_schedule, p.pp_virtual_stages, t.grad_accum_steps)
     if p.ep > 1 or p.dp % p.ep:
         check_expert_parallel(m, p.ep, dp=p.dp)
+    if t.tokenizer and (vocab := load_tokenizer(t.tokenizer).get_vocab_size()) > m.vocab_size:
+        raise ValueError(f"tokenizer {t.tokenizer} has {vocab} tokens but the model's vocab_size={m.vocab_size}: "
+                         f"some ids would have no embedding; set vocab_size to at least {vocab} (or a preset "
+                         f"built for this tokenizer)")
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"seq_len={t.seq_len} is longer than max_seq_len={m.max_seq_len}; raise max_seq_len")
     check_context_parallel(m, p.cp, p.cp_mode, t.seq_len, p.tp)

@@ -300,7 +300,7 @@ class Trainer:
     @torch.no_grad()
     def accuracy(self, num_problems: int = 128) -> dict:
         """On held-out sums: answers exactly right (greedy), and answer digits right (teacher forced)."""
-        if self.config.train.dataset != "arithmetic":
+        if self.config.train.dataset != "arithmetic" or self.config.train.tokenizer:   # the sums are byte-level
             return {}
         problems = arithmetic_eval_problems(num_problems, seed=self.config.train.seed + 1)
         if self.stages is not None:
@@ -480,6 +480,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--norm-impl", dest="norm_impl", choices=["torch", "triton"],
                         help="RMSNorm by torch ops or by picotron's Triton kernels (chapter 09; interpreted on a CPU)")
     parser.add_argument("--dataset", help="'arithmetic' (built in) or a .txt/.jsonl file or folder")
+    parser.add_argument("--tokenizer", help="a Hugging Face tokenizer.json: the corpus is tokenized once into a "
+                                            "memory-mapped file of --cache-dir (default: bytes are the tokens)")
+    parser.add_argument("--cache-dir", dest="cache_dir", help="where tokenized corpora are kept "
+                                                              "(default ~/.cache/picotron)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"])
     parser.add_argument("--log-file", dest="log_file", help="rank 0 appends one JSON line per step to this file "
                                                             "(checked writable before step 0)")

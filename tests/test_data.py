@@ -1,5 +1,6 @@
 """Tests for picotron/data.py: tokenizer, corpus, files, windows, the dp/cp split, accuracy."""
 
+import dataclasses
 import json
 import re
 
@@ -235,3 +236,77 @@ def test_make_loader_from_config(tmp_path, monkeypatch):
     (tmp_path / "mine.jsonl").write_text(json.dumps({"text": "abcdefgh" * 20}) + "\n")
     own = make_loader(TrainConfig(dataset=str(tmp_path / "mine.jsonl"), seq_len=8, micro_batch_size=2))
     assert ByteTokenizer().decode(own.get_batch(0).input_ids[0].tolist()) == "abcdefgh"
+
+
+# ---- a real tokenizer (issue 20): trained here on text the test writes, offline --------------------------------
+
+TEXT = "\n".join(f"the {c} cat sat on the {d} mat, and the {d} dog ran after the {c} cat." for c in
+                 ("red", "blue", "green", "grey", "black") for d in ("big", "small", "old", "new")) + "\n"
+
+
+def _tokenizer(tmp_path, vocab_size=120, name="tokenizer.json"):
+    """A byte-level BPE tokenizer trained on TEXT, saved as a Hugging Face tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    path = tmp_path / name
+    tokenizer.save(str(path))
+    return path, tokenizer
+
+
+def test_a_tokenizer_corpus_is_tokenized_once_into_a_memory_mapped_file(tmp_path):
+    pytest.importorskip("tokenizers")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    path, tokenizer = _tokenizer(tmp_path)
+    config = TrainConfig(dataset=str(corpus), tokenizer=str(path), cache_dir=str(tmp_path / "cache"), seq_len=16)
+    dataset = data.build_dataset(config)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == TEXT                              # byte-level BPE: lossless
+    assert len(ids) < len(TEXT.encode()) / 2                          # real merges: fewer tokens than bytes
+    assert dataset.tokens.tolist() == ids and dataset.tokens.dtype == "uint16"
+    first = torch.tensor(ids[:17])
+    assert torch.equal(dataset[0][0], first[:-1]) and torch.equal(dataset[0][1], first[1:])
+    assert dataset[0][0].dtype == torch.long and len(dataset) == (len(ids) - 1) // 16
+    (cached,) = (tmp_path / "cache").glob("tokens-*.bin")
+    written = cached.stat().st_mtime_ns
+    again = data.build_dataset(config)                                # the second time only maps the file
+    assert cached.stat().st_mtime_ns == written and again.tokens.tolist() == ids
+    other, _ = _tokenizer(tmp_path, vocab_size=60, name="other.json")    # another tokenizer: a file of its own
+    data.build_dataset(dataclasses.replace(config, tokenizer=str(other)))
+    assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 2
+
+
+def test_bad_tokenizer_inputs_are_clear_errors(tmp_path):
+    pytest.importorskip("tokenizers")
+    from picotron.config import Config, ModelConfig
+    from picotron.layout import validate
+    with pytest.raises(FileNotFoundError, match="tokenizer .*missing.json does not exist; give the path of a "
+                                                "Hugging Face tokenizer.json"):
+        data.load_tokenizer(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model": 3}')
+    with pytest.raises(ValueError, match="broken.json is not a tokenizer.json the tokenizers library can read"):
+        data.load_tokenizer(broken)
+    path, tokenizer = _tokenizer(tmp_path)
+    vocab = tokenizer.get_vocab_size()
+    with pytest.raises(ValueError, match=rf"has {vocab} tokens but the model's vocab_size=32: .* set vocab_size to "
+                                         rf"at least {vocab}"):
+        validate(Config(model=ModelConfig(vocab_size=32), train=TrainConfig(tokenizer=str(path))))
+    validate(Config(model=ModelConfig(vocab_size=vocab), train=TrainConfig(tokenizer=str(path))))   # it fits
+
+
+def test_the_trainer_trains_on_real_tokens(tmp_path, capsys):
+    """`python -m picotron.train --dataset corpus.txt --tokenizer tokenizer.json` end to end, in this process."""
+    pytest.importorskip("tokenizers")
+    from picotron.train import main
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 4)
+    path, _ = _tokenizer(tmp_path)
+    history = main(["--dp", "1", "--steps", "6", "--seq-len", "16", "--micro-batch-size", "4",
+                    "--dataset", str(corpus), "--tokenizer", str(path), "--cache-dir", str(tmp_path / "cache")])
+    assert len(history["loss"]) == 6 and history["loss"][-1] < history["loss"][0]
+    assert history["accuracy"] == {}                                  # the held-out sums are a byte-level task
+    assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 1
