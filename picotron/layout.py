@@ -44,7 +44,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
                          f"seq_len={t.seq_len} does not divide by it; choose a seq_len that is a multiple of "
                          f"{p.tp * p.cp}")
     check_pipeline(m.num_layers, p.pp, p.pp_schedule, p.pp_virtual_stages, t.grad_accum_steps)
-    if p.ep > 1 or p.dp % p.ep:
+    if p.ep > 1:
         check_expert_parallel(m, p.ep, dp=p.dp)
     if t.tokenizer and (vocab := load_tokenizer(t.tokenizer).get_vocab_size()) > m.vocab_size:
         raise ValueError(f"tokenizer {t.tokenizer} has {vocab} tokens but the model's vocab_size={m.vocab_size}: "

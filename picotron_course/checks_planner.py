@@ -32,8 +32,10 @@ from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from picotron.layout import validate
 from picotron_course.checks import Report, on_ranks
 from picotron_course.checks_memory import _refusing
-from picotron.memory import (GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage,
-                             optimizer_state, parameters_on_rank, state_bytes_on_rank, tensor_bytes)
+from picotron.memory import (
+    GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage, parameters_on_rank,
+    state_bytes_on_rank)
+from picotron.memory_tracking import optimizer_state, tensor_bytes
 from picotron.planner import ClusterSpec, Plan, estimate_plan, search
 
 __all__ = ["Layout", "plan_of", "is_valid", "check_params_on_first_stage", "check_memory_per_gpu",
@@ -201,7 +203,7 @@ def _memory_problem(got, expected: dict, parts: tuple) -> str:
 
 def _run_on_rank() -> dict:
     """The trainer for each RUN_CASE on this rank: its state after a step, and its peak saved activations."""
-    from picotron.memory import SavedActivations
+    from picotron.memory_tracking import SavedActivations
     from picotron.mesh import Mesh
     from picotron.parallel.pipeline_parallel import stage_parameters
     from picotron.train import Trainer

@@ -290,7 +290,7 @@ def comm_per_step(mode: str) -> dict:
 
 def saved_bytes(fn, exclude) -> tuple[int, torch.Tensor]:
     """Bytes of the distinct storages autograd saves while fn() runs, and fn's result. Saved-tensor hooks
-    see what an autograd.Function saves too (memory.saved_tensors reads the graph's _saved_ slots,
+    see what an autograd.Function saves too (memory_tracking.saved_tensors reads the graph's _saved_ slots,
     which custom Functions such as RingAttention do not have). 0-dim scalars left out, as there."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     storages = {}

@@ -9,7 +9,8 @@ from torch.testing import assert_close
 
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from picotron.layout import validate
-from picotron.memory import MemoryTracker, estimate_memory, measure_memory, num_param_tensors, saved_tensors
+from picotron.memory import estimate_memory, num_param_tensors
+from picotron.memory_tracking import MemoryTracker, measure_memory, saved_tensors
 from picotron.costs import activation_bytes, activation_bytes_per_layer, training_flops_per_token
 from picotron.model import DecoderLayer, Llama, loss_fn
 from picotron.tolerance import LOSS_ATOL, compare_all, llama_roundings
@@ -253,7 +254,7 @@ def rank_config(name: str) -> Config:
 def measure_rank(name: str) -> dict:
     """This rank's state bytes after a step, and its peak saved activations during the second step."""
     import torch.distributed as dist
-    from picotron.memory import SavedActivations, optimizer_state, tensor_bytes
+    from picotron.memory_tracking import SavedActivations, optimizer_state, tensor_bytes
     from picotron.mesh import Mesh
     from picotron.parallel.pipeline_parallel import stage_parameters
     from picotron.train import Trainer

@@ -18,7 +18,7 @@ from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
-from picotron.memory import saved_tensors
+from picotron.memory_tracking import saved_tensors
 from picotron.costs import activation_bytes_per_layer
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
