@@ -102,7 +102,14 @@ def counting(counter: CommCounter | None = None) -> Iterator[CommCounter]:
 
 def record(op: str, *tensors: torch.Tensor) -> None:
     """Count one call of `op` with these tensors' payload bytes into every open counter. The wrappers
-    below call it; so does code that posts its own transfers (an isend of a pipeline or a ring)."""
+    below call it; so does code that posts its own transfers (an isend of a pipeline or a ring).
+
+    Inside code that torch.compile traces (picotron.train's --compile layers) nothing is recorded: the
+    compiled graph runs its collectives without Python, so there is nothing to count them with. Count
+    an eager run (the same collectives, the same bytes).
+    """
+    if torch.compiler.is_compiling():
+        return
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     for counter in {id(c): c for c in _open_counters}.values():   # each counter once, however often it is open
         counter.record(op, nbytes)

@@ -103,6 +103,7 @@ class ModelConfig:
 ATTENTION_CHOICES = ("sdpa", "eager")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 NORM_IMPLS = ("torch", "triton")
+PRECISIONS = ("auto", "fp32", "bf16")     # TrainConfig.precision
 FP8_RECIPES = ("none", "tensorwise", "delayed", "rowwise", "blockwise")   # picotron.fp8.RECIPES, and "none"
 
 
@@ -218,6 +219,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0                   # 0: evaluate task accuracy only at the end
     backend: str = "auto"                 # "auto", "gloo" or "nccl"
+    precision: str = "auto"               # "fp32", "bf16" (autocast, fp32 master weights) or "auto": bf16 on a GPU
+    compile: bool = False                 # torch.compile each decoder layer (the first step compiles)
     bucket_mb: float = 25.0               # MiB per data-parallel gradient bucket (0: one per parameter)
     log_file: str = ""                    # a path: rank 0 appends one JSON line per step (loss, tokens/s, MFU)
     save_dir: str = ""                    # checkpoints go to save_dir/step_NNNNNN (picotron.checkpoint, DCP)

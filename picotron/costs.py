@@ -49,15 +49,26 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> int:
     return 6 * model.num_active_params() + 12 * model.num_layers * model.hidden_size * seq_len
 
 
-def peak_flops(device: torch.device) -> tuple[float, str]:
-    """(peak FLOP/s, where the figure comes from) for this rank's device."""
+def peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[float, str]:
+    """(peak FLOP/s, where the figure comes from) of this rank's device for matmuls in `dtype`.
+
+    MFU is only honest against the peak of the arithmetic that really ran: bf16 against the
+    spec sheet's dense bf16 figure; fp32 on a GPU whose torch allows TF32 against half of it (TF32
+    tensor cores run at half bf16's rate on Ampere and Hopper: 495 of 989 TFLOP/s on an H100 SXM);
+    plain fp32 on a GPU, and anything on a CPU, against a matmul measured here in that dtype.
+    """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS.items():  # most specific names first
-            if key in name:
-                return value, f"{key} spec-sheet dense bf16"
-        return measured_matmul_flops(device, torch.bfloat16), f"{name}: measured bf16 matmul"
-    return measured_matmul_flops(device, torch.float32), "measured CPU fp32 matmul"
+        spec = next(((key, value) for key, value in GPU_PEAK_FLOPS.items() if key in name), None)  # most specific first
+        if spec and dtype == torch.bfloat16:
+            return spec[1], f"{spec[0]} spec-sheet dense bf16"
+        tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        if spec and dtype == torch.float32 and tf32:
+            return spec[1] / 2, f"{spec[0]} spec-sheet dense TF32 (half of bf16)"
+        kind = str(dtype).removeprefix("torch.")
+        return measured_matmul_flops(device, dtype), f"{name}: measured {kind} matmul"
+    kind = str(dtype).removeprefix("torch.")
+    return measured_matmul_flops(device, dtype), f"measured CPU {kind} matmul"
 
 
 def measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 512, repeats: int = 10) -> float:

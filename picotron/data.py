@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import random
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -378,7 +379,8 @@ def tokenize_to_cache(text: str, tokenizer_path: str | Path, cache_dir: str | Pa
     ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=dtype)
     meta = {"dtype": np.dtype(dtype).name, "tokens": int(ids.size), "vocab_size": vocab,
             "tokenizer": str(tokenizer_path)}
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    # Named by host and process: ranks on nodes sharing a file system may tokenize at once.
+    temporary = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     ids.tofile(temporary)
     path.with_suffix(".json").write_text(json.dumps(meta))
     os.replace(temporary, path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from picotron.config import Config, ModelConfig, ParallelConfig, check_fields, check_model_choices
+from picotron.config import PRECISIONS, Config, ModelConfig, ParallelConfig, check_fields, check_model_choices
 from picotron.data import load_tokenizer
 from picotron.parallel.context_parallel import check_context_parallel
 from picotron.parallel.expert_parallel import check_expert_parallel
@@ -54,6 +54,12 @@ def validate(config: Config, world_size: int | None = None) -> None:
         raise ValueError(f"seq_len={t.seq_len} is longer than max_seq_len={m.max_seq_len}; raise max_seq_len")
     check_context_parallel(m, p.cp, p.cp_mode, t.seq_len, p.tp)
     check_combination(m, p)
+    if t.compile and p.cp > 1 and p.cp_mode != "ulysses":
+        raise NotImplementedError(f"compile=True with cp_mode={p.cp_mode!r}: torch.compile cannot trace ring "
+                                  f"attention's point-to-point sends inside a layer (they would break its graph); "
+                                  f"use cp_mode='ulysses' (all-to-alls, which compile), or drop --compile")
+    if t.precision not in PRECISIONS:
+        raise ValueError(f"precision={t.precision!r}; choose one of {PRECISIONS} (auto: bf16 on a GPU, fp32 on a CPU)")
     if t.backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend={t.backend!r}; choose 'auto', 'gloo' or 'nccl'")
     if world_size is not None and p.world_size != world_size:

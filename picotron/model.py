@@ -118,8 +118,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     This is the "rotate_half" convention of Hugging Face's Llama, not the interleaved pairs
     (2i, 2i+1) of Meta's original code: HF permuted the q/k weights when converting, so using
     its convention lets `picotron.hf` load those checkpoints without touching any weight.
+
+    The tables are cast to x's dtype (bf16 under autocast, as Hugging Face's Llama does): fp32
+    tables would promote q and k to fp32, doubling what attention reads and what context
+    parallelism sends.
     """
-    return x * cos + rotate_half(x) * sin   # x: (batch, heads, seq, head_dim)
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)   # x: (batch, heads, seq, head_dim)
 
 
 class Rotary(nn.Module):

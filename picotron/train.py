@@ -13,6 +13,7 @@
     python -m picotron.train --steps 100 --save-dir ckpt --save-every 50      # checkpoints (DCP), then:
     python -m picotron.train --steps 200 --dp 2 --tp 2 --resume ckpt/step_000100   # resume, in another layout
     python -m picotron.train --steps 0 --save-dir init  # train nothing: save the initial state, init/step_000000
+    python -m picotron.train --precision bf16 --compile   # bf16 autocast, compiled layers (GPU defaults: bf16)
     torchrun --nproc-per-node 8 -m picotron.train --config configs/smollm_135m_dp8.json
 
 Without torchrun it starts the ranks itself (picotron.launch.run); under torchrun each
@@ -23,8 +24,16 @@ model FLOPs utilisation (MFU):
     FLOPs per token = 6 N + 12 L h s    (N parameters, L layers, h hidden size, s sequence;
                                          the second term is attention's QK^T and AV; PaLM, App. B)
 
-The peak is the spec-sheet dense bf16 figure on a known GPU (H100 SXM: 989 TFLOP/s), and on
-a CPU a measured fp32 matmul peak of this rank, labelled as such.
+The peak is that of the precision the matmuls run in: the spec-sheet dense bf16 figure on a
+known GPU in bf16 (H100 SXM: 989 TFLOP/s), half of it for TF32, otherwise a matmul measured
+on this rank in that dtype (any CPU), labelled as such. With recomputation the hardware FLOPs
+utilisation (HFU, counting the recomputed forward) follows; with replicas, the share of the step
+spent in gradient communication that backward did not hide; on a GPU, the peak memory.
+
+Precision (docs/design.md, "Mixed precision and compiled layers in the trainer"): --precision
+bf16 runs the forward under torch.autocast, bf16 matmuls with fp32 master weights, gradients and
+AdamW state; it is the default on a GPU, fp32 the default on a CPU. --compile compiles each
+decoder layer (one shared graph, no graph breaks); the first step's compile time is printed apart.
 
 The axes compose on one mesh of dp x pp x cp x tp ranks (tp innermost, pp outermost; chapter
 08). Data parallelism: bucketed all-reduces overlapped with backward (chapter 02), or with
@@ -66,8 +75,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from picotron import checkpoint, comm, launch
-from picotron.config import FP8_RECIPES, PRESETS, Config, ModelConfig, ParallelConfig, TrainConfig
-from picotron.costs import flops_per_token, peak_flops
+from picotron.config import FP8_RECIPES, PRECISIONS, PRESETS, Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.costs import flops_per_token, peak_flops, training_flops_per_token
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.layout import validate
 from picotron.mesh import Mesh
@@ -93,6 +102,31 @@ def lr_at(step: int, config) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype of the forward's matmuls for TrainConfig.precision on `device`: "auto" is bf16 on a GPU
+    (its tensor cores run bf16 at twice TF32's rate) and fp32 on a CPU (where bf16 buys little and the
+    course's proofs are fp32-strict)."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
+def compile_layers(model: Llama) -> None:
+    """torch.compile each decoder layer's forward in place, fullgraph=True: a graph break inside a layer is
+    an error, not a silent slowdown.
+
+    Per layer rather than the whole model, so that what surrounds the layers keeps working unchanged:
+    data parallelism's gradient hooks and ZeRO-3's gathering hooks (module hooks run outside forward),
+    pipeline stages (a stage calls its layers), full recomputation (a checkpoint around each layer),
+    parameter names and checkpoints (the modules stay the same objects). Every layer runs the same code on
+    tensors of the same shapes, so they share one compiled graph (torch inlines the module, its weights
+    become the graph's inputs). Collectives inside a layer (tensor parallelism's, Ulysses' and the experts'
+    all-to-alls) are traced into the graph as torch's functional collectives.
+    """
+    for layer in model.layers:
+        layer.forward = torch.compile(layer.forward, fullgraph=True)
+
+
 @dataclass
 class StepResult:
     step: int
@@ -101,6 +135,7 @@ class StepResult:
     grad_norm: float
     seconds: float
     sample_ids: list = field(default_factory=list)  # windows this rank trained on (for tests)
+    sync_seconds: float = 0.0   # of `seconds`: gradient communication after backward, not hidden behind it
 
 
 @dataclass
@@ -136,6 +171,7 @@ class Trainer:
         config, mesh = self.config, self.mesh
         p, t = config.parallel, config.train
         self.device = launch.device()
+        self.compute_dtype = compute_dtype(t.precision, self.device)
         torch.manual_seed(t.seed)
         self.model = Llama(config.model).to(self.device)
         self.loss_fn = loss_fn
@@ -148,6 +184,8 @@ class Trainer:
         if mesh and p.ep > 1:  # chapter 07: each rank of an ep group keeps num_experts/ep experts; tokens travel
             self.ep_groups = ep.expert_parallel_groups(mesh, p.ep)
             ep.apply_expert_parallel(self.model, self.ep_groups)
+        if t.compile:          # after the techniques have swapped their modules in, before anything wraps the layers
+            compile_layers(self.model)
         self.stages = None
         trained: torch.nn.Module = self.model          # what this rank trains: the whole model, or its stages
         if mesh and p.pp > 1:  # chapter 06: this rank runs its stages' layers; the step's micro-batches flow through
@@ -156,8 +194,9 @@ class Trainer:
             trained = torch.nn.ModuleList(self.stages)
         self.trained = trained
 
-        def make_optimizer(params):
-            return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        def make_optimizer(params):   # on a GPU one fused kernel updates every parameter (and m, v) at once
+            return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
+                                     fused=self.device.type == "cuda")
 
         # The replicas are the dp x cp ranks: cp ranks hold the same weights and saw different tokens of the
         # same sequences, so the mean of their gradients is the gradient of the loss over whole sequences.
@@ -191,6 +230,13 @@ class Trainer:
             return GradientSync(functools.partial(all_reduce_gradients, self.trained, mesh.dp_cp_group))
         return GradientSync()   # one process, or no replicas
 
+    def autocast(self) -> ContextManager:
+        """The forward's precision: bf16 matmuls under torch.autocast (the weights, their gradients and AdamW's
+        state stay fp32: the master copy), or nothing to change in fp32."""
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
     def counting(self):
         """Count the collectives of the block into `mesh.counter` (picotron.comm.counting); one process: none."""
         return comm.counting(self.mesh.counter) if self.mesh else nullcontext()
@@ -210,9 +256,10 @@ class Trainer:
         result = pp.run_schedule(self.schedule, self.stages, mesh, [b.input_ids for b in batches],
                                  [b.targets for b in batches], self.loss_fn,
                                  activation_shape=(t.micro_batch_size, seq, self.config.model.hidden_size),
-                                 position_ids=[b.position_ids for b in batches])
+                                 position_ids=[b.position_ids for b in batches],
+                                 autocast_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype)
         pp.sync_tied_embeddings(self.stages, mesh)
-        self.grad_sync.finish()
+        self._finish_gradient_sync()
         # Only the last stage's rank knows the loss: a sum over the pp group with zeros elsewhere
         # shares it (for the log only: not counted); the dp x cp mean follows in train_step.
         loss = result.loss.detach().clone() if result.loss is not None else torch.zeros((), device=self.device)
@@ -226,6 +273,7 @@ class Trainer:
 
     def _train_step(self, step: int) -> StepResult:
         t, start = self.config.train, time.perf_counter()
+        self.sync_seconds = 0.0
         if self.zero:
             self.zero.zero_grad()          # ZeRO keeps its gradients in flat buffers: zeroed in place
         else:
@@ -249,15 +297,29 @@ class Trainer:
             batch = self.loader.get_batch(step, micro_step).to(self.device)
             last = micro_step == t.grad_accum_steps - 1
             with self.grad_sync.accumulating() if not last else nullcontext():
-                logits = self.model(batch.input_ids, batch.position_ids)   # (batch, seq / cp, vocab / tp)
-                loss = self.loss_fn(logits, batch.targets) / t.grad_accum_steps
+                with self.autocast():
+                    logits = self.model(batch.input_ids, batch.position_ids)   # (batch, seq / cp, vocab / tp)
+                    loss = self.loss_fn(logits, batch.targets) / t.grad_accum_steps
                 # An MoE model adds its load-balancing loss (0 for a dense one), computed on this rank's tokens
                 # as Megatron-LM does; the log shows the language-model loss alone.
                 (loss + self.model.aux_loss() / t.grad_accum_steps).backward()
             local_loss += loss.detach()
             sample_ids += batch.sample_ids.tolist()
-        self.grad_sync.finish()   # once, after the last micro-batch
+        self._finish_gradient_sync()   # once, after the last micro-batch
         return local_loss, sample_ids
+
+    def _finish_gradient_sync(self) -> None:
+        """grad_sync.finish(), timed as the step's exposed gradient communication: on a GPU after backward's
+        kernels have run, so what remains is the all-reduce (or reduce-scatter) time backward did not hide."""
+        self._synchronize()
+        start = time.perf_counter()
+        self.grad_sync.finish()
+        self._synchronize()
+        self.sync_seconds = time.perf_counter() - start
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- the gradient norm over the whole mesh ---------------------------------------------------------
     def _counted_here(self, param: torch.nn.Parameter) -> bool:
@@ -293,9 +355,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return StepResult(step, float(loss), lr, float(grad_norm), time.perf_counter() - start, sample_ids)
+        self._synchronize()
+        return StepResult(step, float(loss), lr, float(grad_norm), time.perf_counter() - start, sample_ids,
+                          sync_seconds=self.sync_seconds)
 
     @torch.no_grad()
     def accuracy(self, num_problems: int = 128) -> dict:
@@ -331,7 +393,7 @@ class Trainer:
         weights, so each simply runs the whole (short, any-length) sequence itself with context
         parallelism switched off: no padding to 2 cp chunks, no gather, the same logits everywhere.
         """
-        with cp.whole_sequence(self.model):   # nothing to switch off without cp
+        with cp.whole_sequence(self.model), self.autocast():   # (nothing to switch off without cp)
             if not (self.mesh and self.mesh.tp_size > 1):
                 return self.model(input_ids)
             seq, tp_size = input_ids.shape[1], self.mesh.tp_size
@@ -363,6 +425,47 @@ def describe(config: Config, world: int, *, distributed: bool = True) -> str:
     cp_text += f" ep={p.ep}" if p.ep > 1 else ""
     return (f"model {config.model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
             f"dp={p.dp}{zero}{tp_text}{cp_text}")
+
+
+def precision_text(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "fp32"
+    return f"{str(dtype).removeprefix('torch.')} matmuls (autocast), fp32 master weights and AdamW state"
+
+
+class Throughput:
+    """The speed figures of a step (docs/design.md, "FLOPs, peaks and MFU").
+
+    tokens_per_s      the global batch's tokens over the step's wall time (the logger's clock)
+    per_rank          that over the world size: tokens/s per GPU, comparable across layouts
+    mfu               model FLOPs (6N + 12 L h s per token) per second over the ranks' peak
+    hfu               hardware FLOPs (adding what recomputation runs again) over the same peak
+    sync_s            gradient communication after backward that backward did not hide (exposed)
+    peak_memory_gib   the most this rank's GPU held at once (torch's allocator), on a GPU only
+    """
+
+    def __init__(self, config: Config, world: int, peak: float, device: torch.device):
+        self.tokens_per_step = config.train.tokens_per_step * config.parallel.dp
+        self.world, self.peak, self.device = world, peak, device
+        self.model_flops = flops_per_token(config.model, config.train.seq_len)
+        self.hardware_flops = training_flops_per_token(config.model, config.train.seq_len)
+        self.recompute = config.model.recompute != "none"
+        self.replicas = config.parallel.dp * config.parallel.cp > 1
+
+    def of(self, result: StepResult) -> dict:
+        tokens_per_s = self.tokens_per_step / result.seconds
+        memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        return {"tokens_per_s": tokens_per_s, "per_rank": tokens_per_s / self.world,
+                "mfu": tokens_per_s * self.model_flops / (self.peak * self.world),
+                "hfu": tokens_per_s * self.hardware_flops / (self.peak * self.world),
+                "step_s": result.seconds, "sync_s": result.sync_seconds, "peak_memory_gib": memory}
+
+    def text(self, f: dict) -> str:
+        """The log line's figures: HFU only with recomputation, exposed sync only with replicas, memory on a GPU."""
+        line = f"{f['tokens_per_s']:9,.0f} tok/s ({f['per_rank']:,.0f}/rank)  MFU {f['mfu']:6.2%}"
+        line += f"  HFU {f['hfu']:6.2%}" if self.recompute else ""
+        line += f"  exposed grad sync {f['sync_s'] / f['step_s']:4.0%}" if self.replicas else ""
+        return line + (f"  peak mem {f['peak_memory_gib']:.1f} GiB" if f["peak_memory_gib"] is not None else "")
 
 
 def _first_step(trainer: Trainer, t: TrainConfig, is_logger: bool) -> int:
@@ -398,35 +501,43 @@ def train(config: Config, *, progress: bool = True) -> dict:
     trainer = Trainer(config, mesh)
     if mesh:
         dist.barrier()  # ranks measure the peak together, so each sees its share of a shared CPU
-    peak, peak_source = peak_flops(trainer.device)
+    peak, peak_source = peak_flops(trainer.device, trainer.compute_dtype)
     world = mesh.world_size if mesh else 1
-    tokens_per_step = config.train.tokens_per_step * config.parallel.dp
-    flops_token = flops_per_token(config.model, config.train.seq_len)
-    history = {"loss": [], "tokens_per_s": [], "mfu": [], "peak_source": peak_source}
+    rate = Throughput(config, world, peak, trainer.device)
+    history = {"loss": [], "tokens_per_s": [], "mfu": [], "hfu": [], "sync_s": [], "peak_source": peak_source}
     if is_logger:
-        print(f"{describe(config, world, distributed=mesh is not None)}, {tokens_per_step} tokens per step; "
-              f"MFU against {peak_source} ({peak / 1e9:.1f} GFLOP/s per rank)")
+        print(f"{describe(config, world, distributed=mesh is not None)}, {rate.tokens_per_step} tokens per step, "
+              f"{precision_text(trainer.compute_dtype)}; MFU against {peak_source} ({peak / 1e9:,.1f} GFLOP/s "
+              f"per rank)")
     t = config.train
+    if is_logger and config.model.fp8 != "none" and not t.compile:
+        print(f"warning: fp8={config.model.fp8!r} without --compile is slower than bf16: eager mode runs each "
+              f"scale, cast and scaled matmul as its own kernel (one Float8Linear of width 8192 on an H100: "
+              f"0.32-0.52x bf16's speed eager, 1.36-1.64x compiled); add --compile", file=sys.stderr)
     start = _first_step(trainer, t, is_logger)
     log = open(t.log_file, "a") if is_logger and t.log_file else None
     bar = tqdm(range(start, t.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
     for step in bar:
         result = trainer.train_step(step)
-        tokens_per_s = tokens_per_step / result.seconds
-        mfu = tokens_per_s * flops_token / (peak * world)
+        figures = rate.of(result)
         history["loss"].append(result.loss)
-        history["tokens_per_s"].append(tokens_per_s)
-        history["mfu"].append(mfu)
+        compiling = t.compile and step == start   # the first step traces and compiles the layers
+        if compiling:
+            history["compile_s"] = result.seconds
+        else:
+            for key in ("tokens_per_s", "mfu", "hfu", "sync_s"):
+                history[key].append(figures[key])
         bar.set_postfix(loss=f"{result.loss:.3f}", refresh=False)
         if log:
             log.write(json.dumps({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                                  "tokens_per_s": tokens_per_s, "mfu": mfu}) + "\n")
+                                  **figures}) + "\n")
             log.flush()
         last = step == t.steps - 1
         if is_logger and (step % t.log_every == 0 or last):
-            bar.write(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  "
-                      f"{tokens_per_s:9,.0f} tok/s  MFU {mfu:6.2%}")
+            speed = (f"compiling: {result.seconds:.1f} s (this first step; not in the speed figures)" if compiling
+                     else rate.text(figures))
+            bar.write(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  {speed}")
         if t.save_dir and (last or (t.save_every and (step + 1) % t.save_every == 0)):
             # A new directory per checkpoint: overwriting one in place is not atomic. Every rank writes its part.
             checkpoint.save(trainer, os.path.join(t.save_dir, f"step_{step + 1:06d}"), step + 1)
@@ -484,6 +595,11 @@ def _parser() -> argparse.ArgumentParser:
                                             "memory-mapped file of --cache-dir (default: bytes are the tokens)")
     parser.add_argument("--cache-dir", dest="cache_dir", help="where tokenized corpora are kept "
                                                               "(default ~/.cache/picotron)")
+    parser.add_argument("--precision", choices=list(PRECISIONS),
+                        help="bf16: matmuls in bf16 under autocast, fp32 master weights, gradients and AdamW state "
+                             "(chapter 10); auto (the default): bf16 on a GPU, fp32 on a CPU")
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="torch.compile each decoder layer (one graph, no breaks); the first step compiles")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"])
     parser.add_argument("--log-file", dest="log_file", help="rank 0 appends one JSON line per step to this file "
                                                             "(checked writable before step 0)")

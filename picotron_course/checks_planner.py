@@ -211,8 +211,8 @@ def _run_on_rank() -> dict:
     for name, layout, batch in RUN_CASES:
         m = batch // (layout.dp * layout.micro_batch_size)
         config = Config(model=RUN_MODEL, parallel=plan_of(layout).parallel,
-                        train=TrainConfig(steps=2, micro_batch_size=layout.micro_batch_size, grad_accum_steps=m,
-                                          seq_len=RUN_SEQ))
+                        train=TrainConfig(precision="fp32", steps=2, micro_batch_size=layout.micro_batch_size,
+                                          grad_accum_steps=m, seq_len=RUN_SEQ))
         mesh = Mesh(dp=layout.dp, pp=layout.pp, tp=layout.tp)
         trainer = Trainer(config, mesh)
         trainer.train_step(0)

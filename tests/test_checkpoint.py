@@ -43,8 +43,8 @@ LAYOUTS = {   # name: (model, parallel config, grad_accum_steps)
 
 def config_of(layout: str) -> Config:
     model, parallel, accum = LAYOUTS[layout]
-    train = TrainConfig(micro_batch_size=MICRO // parallel.dp // accum, grad_accum_steps=accum, seq_len=32,
-                        steps=STEPS, warmup_steps=2, grad_clip=0.5)
+    train = TrainConfig(precision="fp32", micro_batch_size=MICRO // parallel.dp // accum, grad_accum_steps=accum,
+                        seq_len=32, steps=STEPS, warmup_steps=2, grad_clip=0.5)
     return Config(model=model, parallel=dataclasses.replace(parallel), train=train)
 
 

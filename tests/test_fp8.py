@@ -509,7 +509,7 @@ def test_fp8_by_config_in_the_model_and_the_trainer():
     fp8 = Llama(dataclasses.replace(config, fp8="rowwise"))
     assert isinstance(fp8.layers[0].attn.q_proj, Float8Linear) and not isinstance(fp8.lm_head, Float8Linear)
     assert {n: p.shape for n, p in fp8.state_dict().items()} == {n: p.shape for n, p in plain.state_dict().items()}
-    train = TrainConfig(micro_batch_size=4, seq_len=32, steps=4, warmup_steps=2)
+    train = TrainConfig(precision="fp32", micro_batch_size=4, seq_len=32, steps=4, warmup_steps=2)
     losses = {}
     for recipe in ("none", "tensorwise"):
         trainer = Trainer(Config(model=dataclasses.replace(config, fp8=recipe), train=train))

@@ -247,7 +247,7 @@ def rank_config(name: str) -> Config:
     if "untied" in name:                                  # ZeRO-2 with pp needs an untied head (layout.validate)
         model = dataclasses.replace(model, tie_word_embeddings=False)
     return Config(model=model, parallel=parallel,
-                  train=TrainConfig(steps=2, micro_batch_size=2, seq_len=32,
+                  train=TrainConfig(precision="fp32", steps=2, micro_batch_size=2, seq_len=32,
                                     grad_accum_steps=4 if parallel.pp > 1 else 1))
 
 

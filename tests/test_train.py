@@ -51,8 +51,8 @@ def record(config: Config, steps: int) -> dict:
 ])
 def test_data_parallel_equals_one_process(dp, accum, steps, bucket_mb, recompute):
     model = dataclasses.replace(SMALL, recompute=recompute)
-    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=3,
-                        bucket_mb=bucket_mb)
+    train = TrainConfig(precision="fp32", micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps,
+                        warmup_steps=3, bucket_mb=bucket_mb)
     parallel = Config(model=model, parallel=ParallelConfig(dp=dp), train=train)
     single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
 
@@ -116,8 +116,8 @@ def test_pipeline_parallel_equals_one_process(dp, pp, schedule, accum, virtual):
     """dp x pp ranks, the step's micro-batches run by the schedule: loss, clipped gradient norm (the tied
     embedding counted once) and weights equal one process's; evaluation gathers every stage's weights."""
     steps, model = 5, dataclasses.replace(SMALL, num_layers=4)
-    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=2,
-                        grad_clip=0.5)
+    train = TrainConfig(precision="fp32", micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps,
+                        warmup_steps=2, grad_clip=0.5)
     parallel = Config(model=model, parallel=ParallelConfig(dp=dp, pp=pp, pp_schedule=schedule,
                                                            pp_virtual_stages=virtual), train=train)
     single = Config(model=model, train=dataclasses.replace(train, micro_batch_size=2 * dp))
@@ -130,7 +130,8 @@ def test_pipeline_parallel_equals_one_process(dp, pp, schedule, accum, virtual):
 @pytest.mark.parametrize("zero_stage, dp, accum", [(3, 4, 1), (2, 2, 2)])
 def test_zero_equals_one_process(zero_stage, dp, accum):
     steps = 6
-    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=3)
+    train = TrainConfig(precision="fp32", micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps,
+                        warmup_steps=3)
     parallel = Config(model=SMALL, parallel=ParallelConfig(dp=dp, zero_stage=zero_stage), train=train)
     single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
     ranks = run(record_losses, dp, args=(parallel, steps), timeout=120)
@@ -148,7 +149,7 @@ def test_tensor_parallel_equals_one_process(dp, tp, sequence_parallel):
     """dp x tp ranks: the loss, the clipped gradient's norm and the weights equal one process's; so does
     the accuracy evaluation, which all-gathers the vocabulary slices (and pads the sequence under SP)."""
     steps = 6
-    train = TrainConfig(micro_batch_size=2, seq_len=32, steps=steps, warmup_steps=3, grad_clip=0.5)
+    train = TrainConfig(precision="fp32", micro_batch_size=2, seq_len=32, steps=steps, warmup_steps=3, grad_clip=0.5)
     parallel = Config(model=SMALL, parallel=ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel),
                       train=train)
     single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
@@ -170,8 +171,8 @@ def test_context_parallel_equals_one_process(dp, cp, tp, cp_mode, more):
     whole prompts of any length on every rank, too."""
     steps = 6
     accum = more.pop("grad_accum_steps", 1)
-    train = TrainConfig(micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps, warmup_steps=3,
-                        grad_clip=0.5)
+    train = TrainConfig(precision="fp32", micro_batch_size=2, grad_accum_steps=accum, seq_len=32, steps=steps,
+                        warmup_steps=3, grad_clip=0.5)
     parallel = Config(model=SMALL, parallel=ParallelConfig(dp=dp, cp=cp, tp=tp, cp_mode=cp_mode, **more), train=train)
     single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
     ranks = run(record_losses, dp * cp * tp, args=(parallel, steps), timeout=120)
@@ -187,7 +188,7 @@ def test_expert_parallel_equals_one_process(dp, ep, tp):
     statistics cover the global batch)."""
     steps = 4
     model = dataclasses.replace(SMALL, num_experts=4, experts_per_token=2, moe_aux_loss_coef=0.05)
-    train = TrainConfig(micro_batch_size=2, seq_len=32, steps=steps, warmup_steps=2, grad_clip=0.5)
+    train = TrainConfig(precision="fp32", micro_batch_size=2, seq_len=32, steps=steps, warmup_steps=2, grad_clip=0.5)
     parallel = Config(model=model, parallel=ParallelConfig(dp=dp, ep=ep, tp=tp), train=train)
     single = Config(model=model, train=dataclasses.replace(train, micro_batch_size=2 * dp))
     ranks = run(record_losses, dp * tp, args=(parallel, steps), timeout=120)
@@ -215,8 +216,8 @@ def test_axes_compose_and_equal_one_process(dp, pp, cp, tp, more):
     counted once over the whole mesh), the final weights and the evaluation equal one process's."""
     steps = 10 if dp * pp * cp * tp == 8 and not more else 5
     model = dataclasses.replace(SMALL, num_layers=4)
-    train = TrainConfig(micro_batch_size=2, grad_accum_steps=2, seq_len=32, steps=steps, warmup_steps=2,
-                        grad_clip=0.5)
+    train = TrainConfig(precision="fp32", micro_batch_size=2, grad_accum_steps=2, seq_len=32, steps=steps,
+                        warmup_steps=2, grad_clip=0.5)
     parallel = Config(model=model, parallel=ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, **more), train=train)
     single = Config(model=model, train=dataclasses.replace(train, micro_batch_size=2 * dp))
     ranks = run(record_losses, dp * pp * cp * tp, args=(parallel, steps), timeout=240)
@@ -227,7 +228,7 @@ def test_axes_compose_and_equal_one_process(dp, pp, cp, tp, more):
 
 def test_moe_aux_loss_reaches_training_and_flops_count_active_experts():
     moe = dataclasses.replace(SMALL, num_experts=4, experts_per_token=2)
-    train = TrainConfig(micro_batch_size=2, seq_len=32, steps=1, warmup_steps=1)
+    train = TrainConfig(precision="fp32", micro_batch_size=2, seq_len=32, steps=1, warmup_steps=1)
     router_grads = []
     for coef in (0.0, 0.5):
         trainer = Trainer(Config(model=dataclasses.replace(moe, moe_aux_loss_coef=coef), train=train))

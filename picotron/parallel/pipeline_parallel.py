@@ -27,9 +27,10 @@ action start and end (the timeline, the activations in flight).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -183,13 +184,15 @@ class _Executor:
     """Runs one rank's action list: for each action, receive its input, compute, send its output."""
 
     def __init__(self, schedule: Schedule, stages: list[Stage], mesh, inputs, targets, loss_fn, activation_shape,
-                 dtype, position_ids, on_grads_ready, observer):
+                 dtype, position_ids, on_grads_ready, observer, autocast_dtype):
         self.schedule, self.mesh, self.loss_fn = schedule, mesh, loss_fn
         self.inputs, self.targets, self.position_ids = inputs, targets, position_ids
         self.activation_shape, self.dtype = tuple(activation_shape), dtype
         self.on_grads_ready, self.observer = on_grads_ready, observer
         self.stages = {stage.index: stage for stage in stages}
         self.device = next(stages[0].parameters()).device
+        self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=autocast_dtype)
+                         if autocast_dtype is not None else nullcontext)
         self.outbox: list[tuple[torch.Tensor, int]] = []   # sends of the last action, not posted yet
         self.posted: list = []                             # requests of posted sends, waited for at the end
         self.local: dict = {}                              # messages between two stages of this rank
@@ -274,14 +277,15 @@ class _Executor:
         stage = self.stages[s]
         x = self.inputs[microbatch] if stage.is_first else received.requires_grad_()   # ids, or (batch, seq, hidden)
         graph = _Graph(x)
-        with _record_weight_ops(stage, graph.weight_ops, self.schedule.split_backward):
+        with _record_weight_ops(stage, graph.weight_ops, self.schedule.split_backward), self.autocast():
             y = stage(x) if self.position_ids is None else stage(x, self.position_ids[microbatch])
+            # Mean of the m micro-batch means: the loss of the whole batch (equal micro-batches).
+            loss = self.loss_fn(y, self.targets[microbatch]) / self.schedule.num_microbatches if stage.is_last else None
         self.graphs[(microbatch, s)] = graph
         if not stage.is_last:
             graph.root = y
             return y.detach()
-        # Mean of the m micro-batch means: the loss of the whole batch (equal micro-batches).
-        graph.root = self.loss_fn(y, self.targets[microbatch]) / self.schedule.num_microbatches
+        graph.root = loss
         self.loss = graph.root.detach() if self.loss is None else self.loss + graph.root.detach()
         return None
 
@@ -377,7 +381,7 @@ def run_schedule(schedule: Schedule, stages: list[Stage], mesh, inputs: list[tor
                  targets: list[torch.Tensor] | None, loss_fn: Callable, activation_shape: tuple[int, ...], *,
                  dtype: torch.dtype = torch.float32, position_ids: list[torch.Tensor] | None = None,
                  on_grads_ready: Callable[[int], None] | None = None,
-                 observer: ScheduleObserver | None = None) -> ScheduleResult:
+                 observer: ScheduleObserver | None = None, autocast_dtype: torch.dtype | None = None) -> ScheduleResult:
     """Run this rank's part of one step of `schedule`: gradients of loss / m summed over the micro-batches.
 
     inputs: the m micro-batches' inputs (used on the rank holding stage 0; others may pass None).
@@ -388,11 +392,13 @@ def run_schedule(schedule: Schedule, stages: list[Stage], mesh, inputs: list[tor
     on_grads_ready(stage): called when a stage's gradients are final (after its last micro-batch's
     backward), the moment a data-parallel all-reduce of that stage could start; or sync after this
     returns. observer: told before and after each action (`Timeline` records the timeline); None
-    measures nothing. Gradients accumulate into .grad like backward().
+    measures nothing. autocast_dtype: run the stages' forwards (and the loss) under torch.autocast in
+    this dtype (bf16 mixed precision: the weights and their gradients stay fp32); None: as they are.
+    Gradients accumulate into .grad like backward().
     """
     _check_step(schedule, stages, mesh, inputs, targets)
     return _Executor(schedule, stages, mesh, inputs, targets, loss_fn, activation_shape, dtype, position_ids,
-                     on_grads_ready, observer).run()
+                     on_grads_ready, observer, autocast_dtype).run()
 
 
 def sync_tied_embeddings(stages: list[Stage], mesh) -> None:
