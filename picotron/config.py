@@ -203,7 +203,7 @@ class TrainConfig:
     """How to train: batch, sequence, optimizer and logging."""
 
     seed: int = 0
-    steps: int = 200
+    steps: int = 600
     micro_batch_size: int = 8             # sequences per rank per micro-batch
     grad_accum_steps: int = 1             # micro-batches per optimizer step
     seq_len: int = 64

@@ -1,13 +1,14 @@
 """Data: a built-in synthetic corpus, a byte tokenizer, your own files, a rank-aware loader.
 
-The default dataset is made by this file, so nothing is downloaded: lines of multi-digit
-addition such as "417+2085=2502\\n" (operands of 1-4 digits). A ~1M-parameter byte-level
-model learns the format and the digit statistics within ~100 steps, so the loss falls
-visibly (5.5 -> 2.0 nats); the sums themselves take thousands of steps (about 1.3 nats is
-the floor: the operands are random). One problem in ten (chosen by a hash of the operand
-pair) never appears in training: `arithmetic_eval_problems` draws from those, so
-`arithmetic_accuracy` measures generalisation, not recall. Bytes are the tokens
-(vocabulary 256): no tokenizer to train.
+The default dataset is made by this file, so nothing is downloaded: lines of addition such as
+"47+85=132\n" (operands of 1-2 digits). A ~1M-parameter byte-level model learns the format
+within ~100 steps, so the loss falls visibly (5.5 -> 1.6 nats), and then the sums themselves:
+after the default run's 600 steps (75 s on 2 CPU cores) it answers most held-out sums
+exactly (1.02 nats per byte is the floor: the operands are random). One problem in ten (chosen
+by a hash of the operand pair) never appears in training: `arithmetic_eval_problems` draws from
+those, so `arithmetic_accuracy` measures generalisation, not recall. Operands of up to 4 digits
+(ARITHMETIC_DIGITS) make a task of thousands of steps. Bytes are the tokens (vocabulary 256): no
+tokenizer to train.
 
 Your own text: set `TrainConfig.dataset` to a .txt file, a .jsonl file (one object with a
 "text" field per line) or a folder of them; see `load_text`. With `TrainConfig.tokenizer` (a
@@ -42,7 +43,8 @@ import torch
 
 from picotron.config import TrainConfig
 
-ARITHMETIC_LINES = 100_000    # ~1.1 MB, ~17k windows of 64 bytes, generated in ~0.3 s
+ARITHMETIC_LINES = 100_000    # ~0.8 MB, ~13k windows of 64 bytes, generated in ~0.3 s
+ARITHMETIC_DIGITS = 2         # operands of 1 to this many digits
 
 
 class ByteTokenizer:
@@ -70,7 +72,7 @@ def _is_held_out(a: int, b: int) -> bool:
 
 def _draw_operand(rng: random.Random) -> int:
     # Length first, then the number: otherwise almost every operand would have 4 digits.
-    digits = rng.randint(1, 4)
+    digits = rng.randint(1, ARITHMETIC_DIGITS)
     return rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits)
 
 
@@ -90,9 +92,12 @@ def arithmetic_corpus(num_lines: int, seed: int) -> str:
 
 
 def arithmetic_eval_problems(num: int, seed: int) -> list[tuple[str, str]]:
-    """`num` distinct held-out problems as (prompt, answer), e.g. ("417+2085=", "2502")."""
-    # Held-out pairs number ~10^7, so 4x the draws always leaves `num` distinct ones.
+    """`num` distinct held-out problems as (prompt, answer), e.g. ("47+85=", "132")."""
+    # A tenth of the pairs is held out (~1000 of 100 x 100): 4x the draws leave enough distinct ones.
     problems = list(dict.fromkeys(_draw_problems(4 * num, seed, held_out=True)))[:num]
+    if len(problems) < num:
+        raise ValueError(f"only {len(problems)} distinct held-out problems of up to {ARITHMETIC_DIGITS} digits; "
+                         f"ask for fewer than num={num}")
     return [(f"{a}+{b}=", str(a + b)) for a, b in problems]
 
 
@@ -125,8 +130,8 @@ def arithmetic_digit_accuracy(logits_fn: Callable[[torch.Tensor], torch.Tensor],
     """Fraction of answer bytes (digits and the closing "\n") predicted right given the true
     bytes before them (teacher forcing).
 
-    A finer gauge than exact answers, which a ~1M model gets only after thousands of steps:
-    the length of a sum and its leading digit come early, the carries late.
+    A finer gauge than exact answers, which come later: the length of a sum and its leading digit
+    come early, the carries late.
     """
     tokenizer, right, total = ByteTokenizer(), 0, 0
     by_length: dict[int, list[tuple[str, int]]] = {}   # texts of equal length, with answer bytes

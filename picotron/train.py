@@ -1,6 +1,6 @@
 """Train a Llama on N ranks: `python -m picotron.train`.
 
-    python -m picotron.train                           # 4 CPU ranks, data parallel, about a minute
+    python -m picotron.train                           # 4 CPU ranks, data parallel, 600 steps: 75 s on 2 cores
     python -m picotron.train --dp 2 --steps 50         # overrides on top of the defaults
     python -m picotron.train --zero 3                  # ZeRO-3: each rank keeps 1/4 of the training state
     python -m picotron.train --dp 2 --tp 2 --sp        # tensor + sequence parallelism inside each dp replica
@@ -546,8 +546,8 @@ def train(config: Config, *, progress: bool = True) -> dict:
         log.close()
     history["accuracy"] = trainer.accuracy()
     if is_logger and history["accuracy"]:
-        print(f"held-out sums: {history['accuracy']['digits']:.1%} of answer digits right, "
-              f"{history['accuracy']['exact']:.1%} of answers exactly right")
+        print(f"held-out sums (pairs never seen in training): {history['accuracy']['exact']:.1%} answered exactly "
+              f"right, {history['accuracy']['digits']:.1%} of answer digits right")
     return history
 
 
