@@ -10,9 +10,10 @@ Every notebook takes its problem sizes from `settings` so they are small on a la
 
 The assignments (solutions/ -> exercises/) use the rest of this package:
 `exercises` generates exercises from solutions and strips notebook outputs, `checks_*` hold
-the check each exercise cell calls, `grade` scores a learner's notebook; the command line is
-`python -m picotron_course generate | check | strip | grade` (see __main__.py). `notebook` holds
-the figure and timing helpers the chapters share.
+the check each exercise cell calls, `grade` scores a learner's notebook or a class's folder of
+them, `site` renders the executed chapters as HTML; the command line is
+`python -m picotron_course generate | check | strip | grade | site` (see __main__.py). `notebook`
+holds the figure and timing helpers the chapters share.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
     python -m picotron_course check               # exit 1 when exercises/ is out of date
     python -m picotron_course strip NOTEBOOK...   # remove outputs (--check: only report, exit 1 if dirty)
     python -m picotron_course grade NOTEBOOK      # run a learner's notebook, print the score table
+    python -m picotron_course grade FOLDER --out grades.csv   # a class's submissions: grades.csv, answers.csv
+    python -m picotron_course site                # execute the chapters, write the HTML course to site/
 """
 
 from __future__ import annotations
@@ -28,9 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     strip = commands.add_parser("strip", help="remove outputs and execution counts from notebooks")
     strip.add_argument("notebooks", nargs="+")
     strip.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook has outputs")
-    grade = commands.add_parser("grade", help="run a notebook and print the score of its check cells")
-    grade.add_argument("notebook")
+    grade = commands.add_parser("grade", help="run notebooks and score the course's check cells in them")
+    grade.add_argument("path", metavar="NOTEBOOK_OR_FOLDER",
+                       help="a notebook, or a folder of FOLDER/<student>.ipynb or FOLDER/<student>/<NN_name>.ipynb")
+    grade.add_argument("--assignment", help="the assignment, e.g. 00_collectives (default: from the file names)")
+    grade.add_argument("--root", help="the course checkout holding exercises/ (default: this package's checkout)")
+    grade.add_argument("--out", default="grades.csv",
+                       help="with a folder: the CSV of results (default grades.csv); answers.csv goes beside it")
     grade.add_argument("--cell-timeout", type=float, default=300, help="seconds per cell (default 300)")
+    grade.add_argument("--timeout-per-notebook", type=float, default=None,
+                       help="seconds a notebook may run before its kernel is killed (default: no limit)")
+    commands.add_parser("site", help="execute the chapters and build the HTML course (site --help: its options)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["site"]:   # its own options (picotron_course.site parses them)
+        from picotron_course import site as course_site  # imports nbconvert: only here
+        return course_site.main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "generate":
@@ -52,11 +66,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "strip":
         return _strip(args.notebooks, args.check)
     if args.command == "grade":
-        from picotron_course.grade import grade as run_grade, score_table  # imports nbclient: only here
-        results = run_grade(args.notebook, cell_timeout=args.cell_timeout)
-        print(score_table(results, title=f"grading {args.notebook}"))
-        return 0 if all(r.passed for r in results if r.check) else 1
+        return _grade(args)
     return 2
+
+
+def _grade(args: argparse.Namespace) -> int:
+    """One notebook: its table, exit 1 unless every check passed. A folder: the CSVs, a line per student."""
+    from picotron_course import grade  # imports nbclient: only here
+    path = Path(args.path)
+    options = dict(assignment=args.assignment, root=args.root, cell_timeout=args.cell_timeout,
+                   notebook_timeout=args.timeout_per_notebook)
+    try:
+        if path.is_dir():
+            grade.grade_folder(path, args.out, **options)
+            print(f"wrote {args.out} and {Path(args.out).with_name('answers.csv')}")
+            return 0
+        if not path.is_file():
+            raise grade.GradeError(f"no such notebook or folder: {path}")
+        graded = grade.grade(path, **options)
+    except grade.GradeError as e:
+        print(e)
+        return 2
+    print(grade.score_table(graded, title=f"grading {path} (assignment {graded.assignment})"))
+    passed, total = graded.score
+    return 0 if passed == total else 1
 
 
 def _strip(paths: list[str], check_only: bool) -> int:

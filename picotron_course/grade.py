@@ -1,78 +1,575 @@
-"""Grade a learner's notebook: run every cell in a fresh kernel, count the check cells that pass.
+"""Grade learners' notebooks: run each in a fresh kernel and score the course's own check cells.
 
-    python -m picotron_course grade exercises/00_collectives.ipynb
+    python -m picotron_course grade exercises/00_collectives.ipynb   # one notebook: a table; exit 1 unless all pass
+    python -m picotron_course grade submissions/ --out grades.csv   # a class: grades.csv and answers.csv
+
+What a submission is scored on comes from the course, not from the submission. A notebook of
+assignment NN_name (its file name says which, or --assignment) is scored on the check cells of
+exercises/NN_name.ipynb: their order, the `check_*` each calls and their source. A check cell
+the learner deleted scores 0 ("missing"), one whose source differs beyond blank lines and
+trailing spaces scores 0 ("edited"); the others run with the exercise's own source.
 
 Every cell runs, in order, even after one fails (a learner who solved exercises 1 and 3 gets
-both), with the notebook's folder as working directory. A check cell passes when it raises
-nothing; its check raises AssertionError on a wrong answer and the learner's stub raises
-NotImplementedError on an unsolved one. The notebook file itself is not modified.
+both), with the notebook's folder as working directory; the learner's file is not modified.
+A check passes when its cell raises nothing: the check raises AssertionError (or a subclass)
+on a wrong answer, the learner's stub NotImplementedError on an unsolved one. A notebook that
+runs past --timeout-per-notebook (or a cell past --cell-timeout) is stopped, its kernel killed,
+and its remaining checks are "timeout". A folder of submissions also gives answers.csv: the text
+each learner wrote where the exercise says "*Write your answer here.*", found by the question
+before it, so cells a learner added or moved do not shift it.
+
+Tamper detection. Around each check cell the grader runs two cells of its own, which are not in
+the learner's file. The one before takes the check's module from sys.modules and fingerprints
+every function, class and constant in it (and in the modules of its package that those come
+from); it compares them with the fingerprints the grader took in its own process, from the files
+on disk, before any learner code ran, and then binds `check_*` in the notebook to the module's
+function. The one after verifies the name and the module again. A fingerprint hashes code and
+values (bytecode, constants, names, defaults, wrapped functions), not object identity, so
+re-importing a check is fine, while each of these makes the check "rebound" (score 0):
+
+    check_ring_all_reduce = lambda *args, **kwargs: None            # the name, in any cell
+    picotron_course.checks.check_ring_all_reduce = ...               # the module attribute
+    check_ring_all_reduce.__code__ = (lambda f: None).__code__       # the function in place
+    picotron_course.checks.Report.finish = lambda self: None         # a helper the check uses
+    picotron_course.checks.RING_WORLDS = (4,)                        # a constant it loops over
+
+Each guard cell reports through a display message carrying a random token of this run; a check
+counts only when both of its guards reported and found nothing, so a notebook that stops them
+(or the kernel) scores 0 too. A notebook that writes to the course's files is caught after it
+ran (grading stops, naming the notebook), before it can change the next learner's grade.
+
+What this does not catch. The learner's code runs in the same process as the checks, and code
+that sets out to defeat an in-kernel grader can: patch what the checks use outside their own
+package (torch, picotron, the standard library: `torch.allclose = lambda *a, **k: True`); hook
+the kernel (an IPython input transformer that rewrites the grader's cells, or that reads the
+token from a guard's source and forges its report); reach into the check's frame from the
+learner's function while the check calls it; replace the .pyc caches the kernel imports from.
+None of these happens by accident, and each is code in the notebook for a teacher to see: read
+the code of a surprising pass, and grade a class in a throwaway copy of the course (a container),
+as a notebook can write anything the grader's user can. Going further takes running the checks
+in another process that receives only the learner's functions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ast
+import copy
+import csv
+import importlib
+import inspect
+import os
+import re
+import secrets
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import DeadKernelError
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-from picotron_course.exercises import check_name
+from picotron_course.exercises import EXERCISES, MD_STUB, SOLUTIONS, check_name, is_check_cell
 
-__all__ = ["CellResult", "grade", "score_table"]
+__all__ = ["GradeError", "CourseChanged", "Check", "Question", "Assignment", "CheckResult", "Answer", "Graded",
+           "RESULTS", "course_root", "assignment_of", "load_assignment", "grade", "grade_notebook", "grade_folder",
+           "find_submissions", "class_summary", "score_table"]
+
+RESULTS = ("passed", "wrong answer", "not done", "error", "missing", "edited", "rebound", "timeout")
+_SHOWN = {"missing": "missing (check cell deleted)", "edited": "edited (check cell changed)",
+          "not done": "not done (NotImplementedError)", "rebound": "rebound (not the course's check)"}
+_GUARD_MIME = "application/vnd.picotron.grader+json"
+_QUESTION_LABEL = re.compile(r"\*\*(Q\d+[a-z]?)\.?\*\*")
+
+
+class GradeError(Exception):
+    """Grading cannot start: the message names what is wrong and what to do."""
+
+
+class CourseChanged(GradeError):
+    """A notebook wrote to the course's files: every grade after it would be in doubt."""
+
+
+# ---- the course: what an assignment expects ------------------------------------------------
+@dataclass
+class Check:
+    """A check cell of the exercise: every submission of the assignment is scored on it."""
+    index: int    # its cell number in the exercise, from 1
+    name: str     # the check it calls, e.g. check_ring_all_reduce
+    source: str   # the cell's source, run as is in place of the learner's copy
+    module: str   # the module the exercise imports the check from
 
 
 @dataclass
-class CellResult:
-    index: int            # cell number in the notebook, from 1
-    check: str | None     # the check the cell calls; None for other cells
-    error: str | None     # "ExceptionType: first line of the message", None when the cell ran
-    seconds: float | None
+class Question:
+    """A written answer the exercise asks for: where it sits, told by the text around it."""
+    label: str    # "Q1", or the section heading when the question has no **Qn.** label
+    before: str   # the question: the paragraph just before "*Write your answer here.*"
+    after: str    # the first line after it ("" at the end of the notebook): where the answer stops
+
+
+@dataclass
+class Assignment:
+    name: str
+    checks: list[Check]
+    questions: list[Question]
+    fingerprints: dict[str, dict[str, dict[str, str]]]  # check module -> {module it reaches: {global: hash}}
+    files: dict[str, str]                               # module -> the file the grader loaded it from
+    wrong_answer: frozenset[str]                        # exception names that mean a wrong answer
+    import_dirs: list[str]                              # put first on the kernel's PYTHONPATH
+
+
+def course_root() -> Path:
+    """The checkout this package comes from (its exercises/ are the default reference)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def assignment_of(notebook: str | Path, root: str | Path, assignment: str | None = None) -> str:
+    """The assignment a notebook is (by --assignment, else its file name), checked to exist under root."""
+    root, notebook = Path(root), Path(notebook)
+    folder = root / EXERCISES
+    if not folder.is_dir():
+        raise GradeError(f"no {EXERCISES}/ folder under {root.resolve()}; pass --root with the course checkout "
+                         f"that holds {EXERCISES}/NN_name.ipynb")
+    names = sorted(path.stem for path in folder.glob("*.ipynb"))
+    known = sorted(set(names) | {path.stem for path in (root / SOLUTIONS).glob("*.ipynb")})
+    if assignment:
+        wanted = Path(assignment).stem
+    else:
+        matches = sorted((name for name in known if name in notebook.stem), key=len)
+        if not matches:
+            raise GradeError(f"cannot tell which assignment {notebook} is: its name contains none of "
+                             f"{', '.join(known)}; pass --assignment NN_name")
+        wanted = matches[-1]
+    if wanted not in names:
+        if wanted in known:
+            raise GradeError(f"{EXERCISES}/{wanted}.ipynb is missing under {root.resolve()}; write it with "
+                             f"`python -m picotron_course generate {wanted}` there")
+        raise GradeError(f"unknown assignment {wanted!r}; the assignments are {', '.join(names)}")
+    return wanted
+
+
+def load_assignment(root: str | Path, name: str) -> Assignment:
+    """Read exercises/<name>.ipynb: its check cells, its questions, and the fingerprints of its checks."""
+    path = Path(root) / EXERCISES / f"{name}.ipynb"
+    if not path.is_file():
+        raise GradeError(f"no {path}; write it with `python -m picotron_course generate {name}` or pass --root")
+    cells = nbformat.read(path, as_version=4).cells
+    imported = _imported_checks(cells)
+    checks = []
+    for i, cell in enumerate(cells):
+        if is_check_cell(cell):
+            check = check_name(cell.source)
+            if check not in imported:
+                raise GradeError(f"{path}, cell {i + 1} calls {check} but no cell has `from MODULE import {check}`; "
+                                 "add that import so the grader knows which check is the course's")
+            checks.append(Check(i + 1, check, cell.source, imported[check]))
+    fingerprints, files, dirs = {}, {}, []
+    for module_name in sorted({check.module for check in checks}):
+        _import_course_module(module_name, Path(root), path)
+        fingerprints[module_name] = _fingerprints(module_name)
+        for reached in fingerprints[module_name]:
+            files[reached] = os.path.realpath(sys.modules[reached].__file__)
+        top = sys.modules[module_name.split(".")[0]]
+        folder = Path(top.__file__).resolve().parent
+        dirs.append(str(folder.parent if hasattr(top, "__path__") else folder))
+    return Assignment(name, checks, _questions(cells), fingerprints, files, _wrong_answer_names(files),
+                      list(dict.fromkeys(dirs)))
+
+
+def _imported_checks(cells) -> dict[str, str]:
+    """check name -> module, from the `from MODULE import check_x` statements of the exercise's code cells."""
+    found = {}
+    for cell in cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    if alias.name.startswith("check_") and (alias.asname or alias.name) == alias.name:
+                        found[alias.name] = node.module
+    return found
+
+
+def _import_course_module(name: str, root: Path, exercise: Path):
+    """Import a check module in the grader's process, the course root first on the path (a checkout
+    that is not installed); its fingerprints are taken before any learner code runs."""
+    sys.path.insert(0, str(root.resolve()))
+    try:
+        return importlib.import_module(name)
+    except Exception as e:
+        raise GradeError(f"cannot import {name}, where {exercise} takes its checks from ({type(e).__name__}: {e}); "
+                         "install the course (pip install -e .) or pass --root") from None
+    finally:
+        sys.path.remove(str(root.resolve()))
+
+
+def _wrong_answer_names(files: dict[str, str]) -> frozenset[str]:
+    """AssertionError and the subclasses the check modules define (CollectiveNotAllowed, ...)."""
+    names = {"AssertionError"}
+    for module_name in files:
+        for value in vars(sys.modules[module_name]).values():
+            if isinstance(value, type) and issubclass(value, AssertionError):
+                names.add(value.__name__)
+    return frozenset(names)
+
+
+# ---- fingerprints: the same code runs here and, pasted into the guard cells, in the kernel --------
+# These functions use nothing from this module but each other, and no annotations: `_guard_cell`
+# copies their source into a cell.
+def _canonical(value, package, depth=0):
+    """Text that is the same in two processes when `value` is the same code or data (not the same object)."""
+    import types
+    kind = type(value)
+    if depth > 6:
+        return kind.__qualname__
+    if isinstance(value, types.FunctionType):
+        parts = [str(value.__module__), value.__qualname__, _code_text(value.__code__, package, depth),
+                 _canonical(value.__defaults__, package, depth + 1),
+                 _canonical(value.__kwdefaults__, package, depth + 1)]
+        for cell in value.__closure__ or ():
+            try:
+                parts.append(_canonical(cell.cell_contents, package, depth + 1))
+            except ValueError:  # a cell not filled yet
+                parts.append("empty")
+        if "__wrapped__" in value.__dict__:  # functools.wraps, contextmanager: the function inside counts
+            parts.append(_canonical(value.__dict__["__wrapped__"], package, depth + 1))
+        return "function " + " ".join(parts)
+    if isinstance(value, type):
+        name = f"class {value.__module__}.{value.__qualname__}"
+        if depth > 0 or str(value.__module__).split(".")[0] != package:
+            return name  # a class of the package is expanded once, where the module binds it
+        bases = ",".join(f"{base.__module__}.{base.__qualname__}" for base in value.__bases__)
+        members = [f"{key}={_canonical(member, package, 1)}" for key, member in vars(value).items()]
+        return f"{name}({bases}) " + " ".join(members)
+    if isinstance(value, (staticmethod, classmethod)):
+        return kind.__name__ + " " + _canonical(value.__func__, package, depth + 1)
+    if isinstance(value, property):
+        return "property " + " ".join(_canonical(f, package, depth + 1) for f in (value.fget, value.fset, value.fdel))
+    if isinstance(value, types.ModuleType):
+        return "module " + value.__name__
+    if isinstance(value, (tuple, list)):
+        return kind.__name__ + "(" + ",".join(_canonical(v, package, depth + 1) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):  # sorted: a set's order changes with the hash seed
+        return kind.__name__ + "(" + ",".join(sorted(_canonical(v, package, depth + 1) for v in value)) + ")"
+    if isinstance(value, dict):
+        return "dict(" + ",".join(f"{_canonical(k, package, depth + 1)}:{_canonical(v, package, depth + 1)}"
+                                  for k, v in value.items()) + ")"
+    if callable(value) and isinstance(getattr(value, "__qualname__", None), str):  # a builtin
+        return f"callable {getattr(value, '__module__', None)}.{value.__qualname__}"
+    try:
+        text = repr(value)
+    except Exception:
+        return kind.__qualname__
+    if " at 0x" in text or len(text) > 20000:  # an address differs in every process
+        return kind.__qualname__
+    return f"{kind.__qualname__} {text}"
+
+
+def _code_text(code, package, depth):
+    """A code object as text: its bytecode, names and constants (nested functions included), not its line numbers."""
+    import types
+    consts = [_code_text(c, package, depth) if isinstance(c, types.CodeType) else _canonical(c, package, depth + 1)
+              for c in code.co_consts]
+    return " ".join([code.co_name, code.co_code.hex(), repr(code.co_names), repr(code.co_varnames),
+                     repr(code.co_freevars), repr(code.co_cellvars), "[" + ",".join(consts) + "]"])
+
+
+def _fingerprints(name):
+    """{module: {global name: hash}} for module `name` and the modules of its package its functions,
+    classes and module globals come from."""
+    import hashlib
+    import sys
+    import types
+    package = name.split(".")[0]
+    tables, todo = {}, [name]
+    while todo:
+        module_name = todo.pop()
+        if module_name in tables:
+            continue
+        module = sys.modules.get(module_name)
+        table = tables[module_name] = {}
+        for key, value in list(vars(module).items() if module is not None else ()):
+            if key.startswith("__") and key.endswith("__"):
+                continue
+            if isinstance(value, types.ModuleType) and value.__name__ == f"{module_name}.{key}":
+                continue  # a submodule: an attribute of its package once anything imported it
+            text = _canonical(value, package)
+            table[key] = hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:16]
+            if isinstance(value, types.ModuleType):
+                owner = value.__name__
+            elif isinstance(value, (types.FunctionType, type)):
+                owner = value.__module__
+            else:
+                owner = None
+            if isinstance(owner, str) and owner.split(".")[0] == package:
+                todo.append(owner)
+    return tables
+
+
+def _guard(check, module_name, expected, files, version, token, when, mime):
+    """In the kernel, before and after a check cell: is `check` the course's own? Publishes the answer."""
+    import importlib
+    import os
+    import sys
+    from IPython.display import publish_display_data
+    problems, error, user = [], None, globals()  # this function is defined in the cell: the notebook's names
+    try:
+        if sys.version.split()[0] != version:  # bytecode differs between Python versions
+            raise RuntimeError(f"the kernel runs Python {sys.version.split()[0]} and the grader {version}; "
+                               "grade with the kernel's Python")
+        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+        for name, file in files.items():
+            live = getattr(sys.modules.get(name), "__file__", None)
+            if live is None or os.path.realpath(live) != file:
+                raise RuntimeError(f"the kernel imports {name} from {live}, the grader from {file}")
+        live_tables = _fingerprints(module_name)
+        for name, table in expected.items():
+            for key, digest in table.items():
+                if live_tables.get(name, {}).get(key) != digest:
+                    problems.append(f"{name}.{key} was changed")
+        real, theirs = getattr(module, check, None), user.get(check)
+        package = module_name.split(".")[0]
+        if theirs is not None and theirs is not real and _canonical(theirs, package) != _canonical(real, package):
+            problems.append(f"`{check}` in the notebook is not {module_name}.{check}")
+        if when == "before" and real is not None:
+            user[check] = real
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    publish_display_data({mime: {"token": token, "check": check, "when": when, "problems": problems[:4],
+                                 "error": error}})
+
+
+def _guard_cell(check: Check, assignment: Assignment, token: str, when: str):
+    """The grader's cell run before (or after) a check cell: the functions above, then one call."""
+    helpers = "".join(inspect.getsource(f) + "\n" for f in (_canonical, _code_text, _fingerprints, _guard))
+    expected = assignment.fingerprints[check.module]
+    files = {name: assignment.files[name] for name in expected}
+    version = sys.version.split()[0]
+    arguments = ", ".join(repr(a) for a in (check.name, check.module, expected, files, version, token, when,
+                                            _GUARD_MIME))
+    source = (f"# picotron grader ({when} {check.name}): not a cell of the learner's notebook\n"
+              "def __picotron_grader__():\n" + textwrap.indent(helpers, "    ") +
+              f"    _guard({arguments})\n__picotron_grader__()\ndel __picotron_grader__\n")
+    return nbformat.v4.new_code_cell(source, metadata={"picotron_grader": when})
+
+
+# ---- a submission: match its cells to the exercise's, run it, read the results ----------------------
+@dataclass
+class CheckResult:
+    name: str
+    cell: int | None      # the check's cell number in the submission, from 1; None when deleted
+    result: str           # one of RESULTS
+    detail: str = ""      # why, when it did not pass
+    seconds: float | None = None
 
     @property
     def passed(self) -> bool:
-        return self.error is None
+        return self.result == "passed"
+
+
+@dataclass
+class Answer:
+    question: str
+    cell: int | None  # where the question is in the submission, from 1
+    status: str       # answered, blank, question not found
+    text: str
+
+
+@dataclass
+class Graded:
+    path: Path
+    assignment: str
+    checks: list[CheckResult]
+    answers: list[Answer] = field(default_factory=list)
+    cell_errors: list[tuple[int, str]] = field(default_factory=list)  # learner cells (not checks) that failed
 
     @property
-    def verdict(self) -> str:
-        if self.error is None:
-            return "passed"
-        if self.error.startswith("NotImplementedError"):
-            return "not done yet (NotImplementedError)"
-        if self.error.split(":")[0] in ("AssertionError", "CollectiveNotAllowed"):
-            return "wrong answer"
-        return "error"
+    def score(self) -> tuple[int, int]:
+        return sum(r.passed for r in self.checks), len(self.checks)
 
 
-def grade(path: str | Path, cell_timeout: float = 300, kernel_name: str = "python3") -> list[CellResult]:
-    """Execute the notebook at `path` and return one result per code cell that ran or should have."""
+def grade(path: str | Path, assignment: str | None = None, root: str | Path | None = None, cell_timeout: float = 300,
+          notebook_timeout: float | None = None, kernel_name: str = "python3") -> Graded:
+    """Grade one notebook against the course at `root` (default: this checkout)."""
+    root = Path(root) if root else course_root()
+    expected = load_assignment(root, assignment_of(path, root, assignment))
+    return grade_notebook(path, expected, cell_timeout, notebook_timeout, kernel_name)
+
+
+def grade_notebook(path: str | Path, assignment: Assignment, cell_timeout: float = 300,
+                   notebook_timeout: float | None = None, kernel_name: str = "python3") -> Graded:
+    """Run `path` with the grader's cells around each check it kept, and score it."""
     path = Path(path)
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=cell_timeout, allow_errors=True, kernel_name=kernel_name,
-                            shutdown_kernel="immediate",
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
-    died = None
     try:
-        client.execute()
-    except DeadKernelError as e:  # e.g. a learner's os._exit: the cells after it never ran
-        died = f"DeadKernelError: the kernel died ({e})".split("\n")[0]
-    results = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code" or not cell.source.strip():
+        nb = nbformat.read(path, as_version=4)
+    except Exception as e:
+        raise GradeError(f"cannot read {path} as a notebook ({type(e).__name__}: {str(e)[:100]}); "
+                         "is it the .ipynb file?") from None
+    cells = nb.cells
+    found, static = _match_checks(cells, assignment.checks)
+    token = secrets.token_hex(8)
+    run_cells, origin, where = [], [], {}  # where: check index -> positions (before, check, after) in run_cells
+    at_cell = {cell: k for k, cell in found.items()}
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "code":
             continue
-        ran = "execution" in cell.metadata or cell.get("execution_count") is not None
-        error = _error_of(cell) if ran else (died or "not run")
-        results.append(CellResult(i + 1, check_name(cell.source), error, _seconds(cell) if ran else None))
-    return results
+        if i not in at_cell:
+            run_cells.append(copy.deepcopy(cell))
+            origin.append(i)
+            continue
+        k = at_cell[i]
+        check = assignment.checks[k]
+        where[k] = tuple(range(len(run_cells), len(run_cells) + 3))
+        run_cells += [_guard_cell(check, assignment, token, "before"), nbformat.v4.new_code_cell(check.source),
+                      _guard_cell(check, assignment, token, "after")]
+        origin += [None, i, None]
+    run_nb = nbformat.v4.new_notebook(cells=run_cells, metadata=copy.deepcopy(nb.metadata))
+    on_disk = _file_stamps(assignment.files)
+    replies, stopped = _execute(run_nb, path.parent, cell_timeout, notebook_timeout, kernel_name,
+                                assignment.import_dirs)
+    changed = [name for name, stamp in _file_stamps(assignment.files).items() if stamp != on_disk[name]]
+    if changed:
+        raise CourseChanged(f"{path} changed the course's files while it ran ({', '.join(changed)}); restore "
+                            f"them (e.g. `git checkout -- {assignment.files[changed[0]]}`) and grade the others again")
+    results = []
+    for k, check in enumerate(assignment.checks):
+        if k in static:
+            results.append(CheckResult(check.name, static[k][0], static[k][1], static[k][2]))
+        else:
+            results.append(_verdict(check, found[k] + 1, where[k], run_nb, replies, stopped, token,
+                                    assignment.wrong_answer))
+    errors = [(origin[j] + 1, _error_text(replies[j])) for j in range(len(run_cells))
+              if origin[j] is not None and origin[j] not in at_cell and replies.get(j, {}).get("status") == "error"]
+    return Graded(path, assignment.name, results, _answers(cells, assignment.questions), errors)
 
 
-def _error_of(cell) -> str | None:
+def _normalised(source: str) -> str:
+    """Blank lines and trailing spaces do not count; indentation does (it is Python)."""
+    return "\n".join(line.rstrip() for line in source.strip().splitlines() if line.strip())
+
+
+def _match_checks(cells, checks: list[Check]) -> tuple[dict[int, int], dict[int, tuple]]:
+    """For each expected check: the submission cell that is it (same source), else why it scores 0.
+
+    The search for a check starts after the previous check's cell (then wraps around), so checks with
+    the same source each find their own cell, in order. A cell that calls the check but differs from
+    the exercise's is "edited"; with none, the check is "missing".
+    """
+    found, static, used, after = {}, {}, set(), 0
+    code = [i for i, cell in enumerate(cells) if cell.cell_type == "code"]
+    for k, check in enumerate(checks):
+        want = _normalised(check.source)
+        order = [i for i in code if i >= after] + [i for i in code if i < after]
+        same = next((i for i in order if i not in used and _normalised(cells[i].source) == want), None)
+        if same is not None:
+            found[k], after = same, same + 1
+            used.add(same)
+            continue
+        edited = next((i for i in order if i not in used and check_name(cells[i].source) == check.name), None)
+        if edited is not None:
+            used.add(edited)
+            static[k] = (edited + 1, "edited", f"cell {edited + 1} is not the exercise's cell {check.index}")
+        else:
+            static[k] = (None, "missing", f"no cell runs the exercise's cell {check.index}")
+    return found, static
+
+
+def _execute(nb, folder: Path, cell_timeout: float, notebook_timeout: float | None, kernel_name: str,
+             import_dirs: list[str]) -> tuple[dict[int, dict], tuple[str, str] | None]:
+    """Run every cell; return each cell's execute_reply content and why the run stopped early, if it did.
+
+    The notebook's clock starts at its first cell (a kernel slow to start on a busy machine is not
+    the learner's time). A cell past its limit, or the notebook past its own, stops the run and the
+    kernel is killed with its process group.
+    """
+    replies, started = {}, []
+
+    def timeout_of(cell) -> float:
+        if not started:
+            started.append(time.monotonic())
+        if notebook_timeout is None:
+            return cell_timeout
+        left = started[0] + notebook_timeout - time.monotonic()
+        return max(0.01, min(cell_timeout, left))  # 0 would mean "no limit" to nbclient
+
+    def executed(cell, cell_index, execute_reply) -> None:
+        replies[cell_index] = execute_reply["content"]
+
+    client = NotebookClient(nb, timeout_func=timeout_of, allow_errors=True, kernel_name=kernel_name,
+                            shutdown_kernel="immediate", on_cell_executed=executed,
+                            resources={"metadata": {"path": str(folder.resolve())}})
+    env = dict(os.environ)  # the kernel imports the checks from the files the grader fingerprinted
+    env["PYTHONPATH"] = os.pathsep.join(import_dirs + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    try:
+        client.execute(env=env)
+    except CellTimeoutError:
+        spent = time.monotonic() - started[0] if started else 0.0
+        if notebook_timeout is not None and spent >= notebook_timeout - 0.1:
+            return replies, ("timeout", f"the notebook ran past its {notebook_timeout:g} s and was stopped")
+        return replies, ("timeout", f"a cell ran past its {cell_timeout:g} s and the notebook was stopped")
+    except DeadKernelError as e:  # e.g. a learner's os._exit: the cells after it never ran
+        return replies, ("died", f"the kernel died ({e})".split("\n")[0])
+    except Exception as e:
+        if type(e).__name__ == "NoSuchKernel":
+            raise GradeError(f"no Jupyter kernel named {kernel_name!r}; install one with `pip install ipykernel`")
+        raise
+    return replies, None
+
+
+def _file_stamps(files: dict[str, str]) -> dict[str, tuple]:
+    stamps = {}
+    for name, file in files.items():
+        try:
+            stamps[name] = (Path(file).read_bytes(),)
+        except OSError:
+            stamps[name] = ("missing",)
+    return stamps
+
+
+def _verdict(check: Check, cell: int, places: tuple[int, int, int], nb, replies: dict, stopped, token: str,
+             wrong_answer: frozenset[str]) -> CheckResult:
+    before, run, after = places
+    if after not in replies:
+        kind, why = stopped or ("error", "the check did not run")
+        return CheckResult(check.name, cell, "timeout" if kind == "timeout" else "error", why)
+    seconds = _seconds(nb.cells[run])
+    for place in (before, after):
+        report = _guard_report(nb.cells[place], token)
+        if report is None:
+            return CheckResult(check.name, cell, "rebound", "the grader's own cell around this check did not report "
+                               "(something in the notebook stopped it)", seconds)
+        if report.get("error"):
+            return CheckResult(check.name, cell, "error", f"the grader could not check {check.name}: "
+                               f"{report['error']}", seconds)
+        if report.get("problems"):
+            return CheckResult(check.name, cell, "rebound", "; ".join(report["problems"]), seconds)
+    reply = replies[run]
+    if reply.get("status") == "ok":
+        return CheckResult(check.name, cell, "passed", "", seconds)
+    error = _error_text(reply)
+    ename = reply.get("ename", "")
+    result = "not done" if ename == "NotImplementedError" else "wrong answer" if ename in wrong_answer else "error"
+    return CheckResult(check.name, cell, result, error, seconds)
+
+
+def _guard_report(cell, token: str) -> dict | None:
     for output in cell.get("outputs", []):
-        if output.get("output_type") == "error":
-            first = (output.get("evalue") or "").strip().split("\n")[0]
-            return f"{output.get('ename')}: {first}"[:160]
+        report = output.get("data", {}).get(_GUARD_MIME) if output.get("output_type") == "display_data" else None
+        if isinstance(report, dict) and report.get("token") == token:
+            return report
     return None
+
+
+def _error_text(reply: dict) -> str:
+    first = (reply.get("evalue") or "").strip().split("\n")[0]
+    return f"{reply.get('ename', 'error')}: {first}"[:160]
 
 
 def _seconds(cell) -> float | None:
@@ -85,20 +582,184 @@ def _seconds(cell) -> float | None:
     return (end - start).total_seconds()
 
 
-def score_table(results: list[CellResult], title: str = "") -> str:
-    """The table a teacher reads: one row per check cell, then the score."""
-    checks = [r for r in results if r.check]
+# ---- written answers ---------------------------------------------------------------------
+def _questions(cells) -> list[Question]:
+    """Each "*Write your answer here.*" of the exercise, told by the question before it and the line after."""
+    questions, heading, seen = [], "", set()
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "markdown":
+            continue
+        pieces = cell.source.split(MD_STUB)
+        for k in range(len(pieces) - 1):
+            heading = _last_heading(pieces[k]) or heading
+            before = _paragraphs(pieces[k])[-1:] or _paragraphs(_previous_text(cells, i))[-1:]
+            following = pieces[k + 1] if pieces[k + 1].strip() else _next_text(cells, i)
+            labels = _QUESTION_LABEL.findall(pieces[k])
+            label = labels[-1] if labels else heading.lstrip("# ") or f"answer {len(questions) + 1}"
+            if label in seen:
+                label = f"{label} ({len(questions) + 1})"
+            seen.add(label)
+            lines = [line.strip() for line in following.splitlines() if line.strip()]
+            questions.append(Question(label, before[0] if before else "", lines[0] if lines else ""))
+        heading = _last_heading(pieces[-1]) or heading
+    return questions
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def _last_heading(text: str) -> str:
+    headings = [line.strip() for line in text.splitlines() if line.startswith("#")]
+    return headings[-1] if headings else ""
+
+
+def _previous_text(cells, i: int) -> str:
+    return next((c.source for c in reversed(cells[:i]) if c.cell_type == "markdown" and c.source.strip()), "")
+
+
+def _next_text(cells, i: int) -> str:
+    return next((c.source for c in cells[i + 1:] if c.source.strip()), "")
+
+
+def _loose(text: str) -> re.Pattern:
+    """`text` with any run of whitespace matching any other: a learner's editor may rewrap lines."""
+    return re.compile(r"\s+".join(re.escape(word) for word in text.split()))
+
+
+def _find(text: str, cells, start: tuple[int, int], markdown_only: bool) -> tuple[int, int, int] | None:
+    """(cell, start, end) of the first match of `text` at or after position `start` (cell, offset)."""
+    if not text.strip():
+        return None
+    pattern = _loose(text)
+    for i in range(start[0], len(cells)):
+        if markdown_only and cells[i].cell_type != "markdown":
+            continue
+        match = pattern.search(cells[i].source, start[1] if i == start[0] else 0)
+        if match:
+            return i, match.start(), match.end()
+    return None
+
+
+def _answers(cells, questions: list[Question]) -> list[Answer]:
+    """The learner's text under each question, up to the exercise's next line: in the question's cell or in
+    markdown cells the learner added after it (code cells in between are not part of a written answer)."""
+    answers, position = [], (0, 0)
+    for question in questions:
+        asked = _find(question.before, cells, position, markdown_only=True)
+        if asked is None:
+            answers.append(Answer(question.label, None, "question not found", ""))
+            continue
+        cell, _, end = asked
+        position = (cell, end)
+        stop = _find(question.after, cells, position, markdown_only=False) if question.after else None
+        if stop is None:  # the end of the notebook, or (the next line edited away) of the question's cell
+            stop = (len(cells), 0, 0) if not question.after else (cell, len(cells[cell].source), 0)
+        parts = []
+        for i in range(cell, min(stop[0], len(cells) - 1) + 1):
+            if cells[i].cell_type == "markdown":
+                text = cells[i].source
+                parts.append(text[end if i == cell else 0: stop[1] if i == stop[0] else len(text)])
+        text = "\n\n".join(part.strip() for part in parts if part.strip()).replace(MD_STUB, "").strip()
+        answers.append(Answer(question.label, cell + 1, "answered" if text else "blank", text))
+    return answers
+
+
+# ---- a class: a folder of submissions --------------------------------------------------------
+def find_submissions(folder: str | Path) -> list[tuple[str | None, Path]]:
+    """(student, notebook) for FOLDER/<student>/*.ipynb, and (None, notebook) for FOLDER/*.ipynb, whose
+    student is the file's name once its assignment is known."""
+    folder = Path(folder)
+    found = [(None, path) for path in sorted(folder.glob("*.ipynb"))]
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        found += [(sub.name, path) for path in sorted(sub.glob("*.ipynb"))]
+    if not found:
+        raise GradeError(f"no notebooks in {folder}; put submissions there as {folder}/<student>.ipynb or "
+                         f"{folder}/<student>/<NN_name>.ipynb")
+    return found
+
+
+def _student(path: Path, assignment: str) -> str:
+    """alice_00_collectives.ipynb -> alice; a file named only after the assignment keeps its name."""
+    rest = path.stem.replace(assignment, "").strip(" _-.")
+    return rest or path.stem
+
+
+def grade_folder(folder: str | Path, out: str | Path, assignment: str | None = None, root: str | Path | None = None,
+                 cell_timeout: float = 300, notebook_timeout: float | None = None, kernel_name: str = "python3",
+                 log=print) -> list[tuple[str, Graded | None]]:
+    """Grade every notebook of a class; write `out` (one row per student, notebook and check) and answers.csv
+    beside it (one row per student and written question). Returns (student, graded) in order.
+
+    Written answers go to a CSV, like the grades: one row per answer, so a spreadsheet sorts them by
+    question and a teacher marks all the answers to Q1 together, in a column added beside them.
+    """
+    root = Path(root) if root else course_root()
+    submissions = []
+    for student, path in find_submissions(folder):  # every name checked before the first kernel starts
+        name = assignment_of(path, root, assignment)
+        submissions.append((student or _student(path, name), name, path))
+    submissions.sort()
+    assignments = {name: load_assignment(root, name) for name in sorted({name for _, name, _ in submissions})}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    graded = []
+    with open(out, "w", newline="", encoding="utf-8") as grades_file, \
+         open(out.with_name("answers.csv"), "w", newline="", encoding="utf-8") as answers_file:
+        grades, answers = csv.writer(grades_file), csv.writer(answers_file)
+        grades.writerow(["student", "assignment", "check", "cell", "result", "seconds"])
+        answers.writerow(["student", "assignment", "question", "cell", "status", "answer"])
+        for n, (student, name, path) in enumerate(submissions):
+            print(f"[{n + 1}/{len(submissions)}] {student}: {path}", file=sys.stderr, flush=True)
+            try:
+                result = grade_notebook(path, assignments[name], cell_timeout, notebook_timeout, kernel_name)
+            except CourseChanged:
+                raise
+            except GradeError as e:  # an unreadable file: its checks are errors, the class goes on
+                print(f"  {e}", file=sys.stderr)
+                result = Graded(path, name, [CheckResult(c.name, None, "error", str(e))
+                                             for c in assignments[name].checks])
+            graded.append((student, result))
+            for r in result.checks:
+                grades.writerow([student, name, r.name, r.cell or "", r.result,
+                                 "" if r.seconds is None else f"{r.seconds:.1f}"])
+            for a in result.answers:
+                answers.writerow([student, name, a.question, a.cell or "", a.status, a.text])
+            grades_file.flush()
+            answers_file.flush()
+    log(class_summary(graded))
+    return graded
+
+
+def class_summary(graded: list[tuple[str, Graded]]) -> str:
+    """One line per student: their score over all their notebooks, and per assignment when there are several."""
+    by_student: dict[str, list[Graded]] = {}
+    for student, result in graded:
+        by_student.setdefault(student, []).append(result)
+    width = max(len(student) for student in by_student)
+    lines = []
+    for student, results in by_student.items():
+        passed, total = (sum(r.score[i] for r in results) for i in (0, 1))
+        line = f"{student.ljust(width)}  score {passed}/{total}"
+        if len(results) > 1:
+            line += "  (" + ", ".join(f"{r.assignment} {r.score[0]}/{r.score[1]}" for r in results) + ")"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def score_table(graded: Graded, title: str = "") -> str:
+    """The table a teacher reads: one row per check of the assignment, then the score."""
     rows = [("cell", "check", "result", "time")]
-    rows += [(str(r.index), r.check, r.verdict, "" if r.seconds is None else f"{r.seconds:.1f} s") for r in checks]
+    rows += [("-" if r.cell is None else str(r.cell), r.name, _SHOWN.get(r.result, r.result),
+              "" if r.seconds is None else f"{r.seconds:.1f} s") for r in graded.checks]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [title] if title else []
     lines += ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() for row in rows]
-    for r in checks:
-        if not r.passed:
-            lines.append(f"  cell {r.index}: {r.error}")
-    for r in results:
-        if not r.check and not r.passed:  # a definition that does not run breaks the checks after it
-            lines.append(f"  cell {r.index} (not a check) failed: {r.error}")
-    passed = sum(r.passed for r in checks)
-    lines.append(f"score: {passed}/{len(checks)}")
+    for r in graded.checks:
+        if not r.passed and r.detail:
+            lines.append(f"  {r.name}: {r.detail}")
+    for cell, error in graded.cell_errors:  # a definition that does not run breaks the checks after it
+        lines.append(f"  cell {cell} (not a check) failed: {error}")
+    passed, total = graded.score
+    lines.append(f"score: {passed}/{total}")
     return "\n".join(lines)
