@@ -7,8 +7,9 @@
 chapters/*.ipynb are committed without outputs, so a reader of the repository sees no figure. Here
 each chapter runs in a fresh kernel of this interpreter with chapters/ as working directory, the
 way `pytest chapters/` runs it under nbval (--nbval-current-env, 300 s per cell), and nbconvert
-turns the executed notebook into one page with its images inline. docs/benchmarks.md and
-docs/design.md become pages too, since chapters cite them for what only a GPU can measure.
+turns the executed notebook into one page with its images inline. docs/benchmarks.md,
+docs/design.md and docs/glossary.md become pages too: chapters cite the first for what only a GPU can
+measure.
 
 A chapter that fails still gets its page, which shows the error; the index marks it "failed"
 and the command exits 1 once everything is built. Exercise and solution notebooks are linked,
@@ -33,7 +34,7 @@ import nbformat
 __all__ = ["Chapter", "find_chapters", "title_and_summary", "execute", "build", "main"]
 
 CHAPTER_GLOB = "[0-9][0-9]_*.ipynb"
-DOCS = ("benchmarks", "design")           # docs/NAME.md -> site/NAME.html
+DOCS = ("benchmarks", "design", "glossary")   # docs/NAME.md -> site/NAME.html
 BENCHMARKS_CITATION = "docs/benchmarks.md"
 RECORDS = "build.json"                    # per chapter: seconds and error of the last build that ran it
 SUMMARY_CHARS = 200
@@ -191,7 +192,7 @@ def chapter_page(nb, chapter: Chapter, previous: Chapter | None, following: Chap
 def _site_href(href: str, source_dir: Path, chapters_dir: Path, root: Path, out: Path) -> str:
     """Where a relative link of a chapter or docs page, written from `source_dir`, points from the site.
 
-    A chapter notebook becomes its page, docs/benchmarks.md and docs/design.md their pages, and any
+    A chapter notebook becomes its page, the docs/ files of DOCS their pages, and any
     other file (exercises/, README.md) a path relative to `out`, so it opens wherever the site is.
     """
     if re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*:|#|/)", href) or not href:  # a URL, an anchor, an absolute path
@@ -242,8 +243,9 @@ def index_page(chapters: list[Chapter], built: set[str], out: Path, root: Path, 
                                for path in notebooks if path.is_file())
         rows.append(f"<tr><td>{link}<br><small>{html.escape(chapter.summary)}</small></td>"
                     f"<td>{_status(chapter, chapter.name in built, executed)}</td><td>{notebooks}</td></tr>")
-    docs = [f'{label}: <a href="{name}.html">docs/{name}.md</a>' for name, label in
-            (("benchmarks", "what GPUs measured"), ("design", "design notes")) if (out / f"{name}.html").is_file()]
+    labels = (("benchmarks", "what GPUs measured"), ("design", "design notes"), ("glossary", "glossary and notation"))
+    docs = [f'{label}: <a href="{name}.html">docs/{name}.md</a>' for name, label in labels
+            if (out / f"{name}.html").is_file()]
     body = ("<h1>picotron: training LLMs with 5D parallelism, one chapter per technique</h1>\n"
             "<p>The chapters run on CPU ranks (gloo) standing in for GPUs; \"executed\" is how long each took "
             "on the machine that built this site. Exercise and solution notebooks open in Jupyter. "
