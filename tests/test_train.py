@@ -535,8 +535,10 @@ def test_two_node_torchrun_on_localhost_matches_the_forked_run(tmp_path):
 
 def test_command_line_checkpoints_resume_bit_identical_and_in_another_layout(tmp_path):
     """--save-dir/--save-every write DCP checkpoints; --resume continues the same loss curve bit for bit in
-    the same layout (dp2), and within float round-off in another (tp2), the checkpoint being resharded."""
-    common = ["-m", "picotron.train", "--steps", "4", "--micro-batch-size", "2", "--seq-len", "32"]
+    the same layout (dp2), and within float round-off in another (tp2), the checkpoint being resharded.
+    fp32 on any machine: on a GPU node "auto" would train in bf16, whose round-off is larger."""
+    common = ["-m", "picotron.train", "--steps", "4", "--micro-batch-size", "2", "--seq-len", "32",
+              "--precision", "fp32"]
 
     def train(*argv, log):
         result = subprocess.run([sys.executable, *common, *argv, "--log-file", str(tmp_path / log)],
