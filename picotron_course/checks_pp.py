@@ -2,23 +2,31 @@
 
 The learner writes `afab_actions(rank, pp, m)` and `one_f_one_b_actions(rank, pp, m)`: the order in
 which pp rank `rank` runs the forward ("F") and backward ("B") of m micro-batches on its stage, as
-`Action(op, microbatch, stage)` items. The checks call them here, in the parent, for every rank of
-several (pp, m), and judge the lists with their own arithmetic: nothing here calls a schedule of
-picotron.parallel.pipeline_schedules, and a learner's function that does is refused.
+`Action(op, microbatch, stage)` items; and, as a stretch, `zb_h1_actions(rank, pp, m)`, whose backward
+is split into B (the input's gradient) and W (the weights' gradient). The checks call them here, in the
+parent, for every rank of several (pp, m), and judge the lists with their own arithmetic: nothing here
+calls a schedule of picotron.parallel.pipeline_schedules, and a learner's function that does is refused.
 
-    check_afab_actions(afab_actions)            complete, right stages, no deadlock; every forward before the
-                                                first backward (peak m); bubble (p-1)/(m+p-1), exactly
+    check_afab_actions(afab_actions)            complete, right stages, no deadlock; forwards and backwards
+                                                both in micro-batch order 0, 1, ..., m-1 (as the task says);
+                                                every forward before the first backward (peak m); bubble
+                                                (p-1)/(m+p-1), exactly
     check_one_f_one_b_actions(fn)               the same, with at most min(p - r, m) micro-batches in flight on
                                                 rank r, and the same bubble
     check_one_f_one_b_training(fn)              the lists through the executor on 4 ranks (pp=4, and dp=2 x pp=2):
                                                 a few AdamW steps, losses, gradients and weights equal to one
                                                 process training a plain Llama on the whole batch; peak in flight
                                                 measured by the executor
+    check_zb_h1_actions(fn)                     stretch: F, B and W of every micro-batch once, each W after its B,
+                                                no deadlock; at most p micro-batches held on a rank (from F until
+                                                W); with F = B = W = 1 the step of ZB-H1, m(F+B+W) + (p-1)(F+B-W),
+                                                when m >= p, and no longer than 1F1B's when m < p
 
 The structure checks simulate the lists with unit costs (F = 1, B = 2: a backward does twice a
-forward's matmuls) in integers, so the bubble, idle / total per rank, is compared with the
-formula as an exact fraction. The same simulation finds a deadlock without running any rank, and
-the run check refuses a list that would deadlock before it launches one: it fails, never hangs.
+forward's matmuls; F = B = W = 1 once the backward is split) in integers, so the bubble, idle / total
+per rank, is compared with the formula as an exact fraction. The same simulation finds a deadlock
+without running any rank, and the run check refuses a list that would deadlock before it launches
+one: it fails, never hangs.
 
 Point-to-point messages carry no tag: between two ranks they match in the order they are posted.
 So rank r must run its forwards in the order rank r + 1 runs its own (activations go r -> r + 1),
@@ -42,14 +50,17 @@ from picotron.config import ModelConfig
 from picotron_course.checks import Report, close_in_training, max_abs_error, mismatch, on_ranks, one_thread
 from picotron.model import Llama, loss_fn
 
-__all__ = ["check_afab_actions", "check_one_f_one_b_actions", "check_one_f_one_b_training", "show_timeline",
-           "STRUCTURE_CASES", "TRAIN_CASES", "WORLD"]
+__all__ = ["check_afab_actions", "check_one_f_one_b_actions", "check_one_f_one_b_training", "check_zb_h1_actions",
+           "show_timeline", "STRUCTURE_CASES", "TRAIN_CASES", "WORLD"]
 
 PACKAGE = "picotron.parallel.pipeline_schedules"
 # The schedule builders of the course's module: the answers, which the learner's functions may not call.
 COURSE_SCHEDULES = ("naive_schedule", "afab_schedule", "one_f_one_b_schedule", "interleaved_schedule",
                     "zb_h1_schedule", "make_schedule")
 COST = {"F": 1, "B": 2}           # time units of a forward and a backward in the simulated timeline
+# With the backward split (ZB-H1): B, the input's gradient, and W, the weights', each about a forward's
+# matmuls, so B + W is the whole backward above (Qi et al. 2023, arXiv:2401.10241, take F = B = W).
+SPLIT_COST = {"F": 1, "B": 1, "W": 1}
 # (pp, m): m > p first (the case a failure message shows), m = p, m < p, m = 1, m not a multiple of p,
 # no pipeline at all.
 STRUCTURE_CASES = [(4, 8), (4, 4), (4, 2), (4, 1), (2, 5), (2, 1), (3, 7), (5, 3), (6, 9), (1, 3)]
@@ -94,7 +105,7 @@ def _lists(fn: Callable, pp: int, m: int) -> list:
     return lists
 
 
-def _as_actions(lists: list, m: int) -> tuple[list, str]:
+def _as_actions(lists: list, m: int, ops: str = "FB") -> tuple[list, str]:
     """The lists as (op, microbatch, stage) tuples, or a message saying what is not an action."""
     out = []
     for rank, actions in enumerate(lists):
@@ -106,8 +117,9 @@ def _as_actions(lists: list, m: int) -> tuple[list, str]:
                 return [], (f"rank {rank}: item {k} is {a!r}; each item is Action(op, microbatch, stage), "
                             f"e.g. Action('F', 0, {rank})")
             op, i, s = a
-            if op not in ("F", "B"):
-                return [], f"rank {rank}: item {k} has op {op!r}; this schedule has only 'F' and 'B'"
+            if op not in tuple(ops):
+                return [], (f"rank {rank}: item {k} has op {op!r}; this schedule has only "
+                            + " and ".join(repr(o) for o in ops))
             if not (isinstance(i, int) and isinstance(s, int)):
                 return [], f"rank {rank}: item {k} is {a!r}; micro-batch and stage are ints"
             if not 0 <= i < m:
@@ -122,20 +134,21 @@ def _name(a: tuple) -> str:
 
 
 # ---- structure: what every valid schedule must satisfy --------------------------------------------
-def _structure_problem(lists: list, pp: int, m: int) -> str:
+def _structure_problem(lists: list, pp: int, m: int, ops: str = "FB") -> str:
     """'' when the lists can run on the executor: complete, on the right stages, each backward after
-    its forward, messages in matching order, no deadlock; else what is wrong, with a hint."""
+    its forward (and each W after its B), messages in matching order, no deadlock; else what is
+    wrong, with a hint. ops: "FB", or "FBW" for a split backward."""
     for rank, actions in enumerate(lists):
         wrong = [a for a in actions if a[2] != rank]
         if wrong:
             return (f"rank {rank}: {_name(wrong[0])} runs stage {wrong[0][2]}; with one stage per rank, rank {rank} "
                     f"holds stage {rank} and all its actions use stage={rank}")
-        for op in COST:
+        for op in ops:
             counts = [sum(1 for a in actions if a[:2] == (op, i)) for i in range(m)]
             missing = [i for i, n in enumerate(counts) if n == 0]
             twice = [i for i, n in enumerate(counts) if n > 1]
             if missing or twice:
-                what = "forward" if op == "F" else "backward"
+                what = {"F": "forward", "B": "backward", "W": "weight gradient"}[op]
                 return (f"rank {rank}: every micro-batch needs exactly one {what} ({op}); "
                         + (f"missing {op} of micro-batches {missing}" if missing else
                            f"micro-batches {twice} have more than one {op}"))
@@ -144,6 +157,10 @@ def _structure_problem(lists: list, pp: int, m: int) -> str:
         if early:
             return (f"rank {rank}: B{early[0]} comes before F{early[0]}; a backward needs the activations its "
                     f"forward saved")
+        early = [i for i in range(m) if "W" in ops and where[("W", i)] < where[("B", i)]]
+        if early:
+            return (f"rank {rank}: W{early[0]} comes before B{early[0]}; the weights' gradient needs the output "
+                    f"gradient that B received")
     for rank in range(pp - 1):
         for op, sender, receiver, what in (("F", rank, rank + 1, "activations"), ("B", rank + 1, rank, "gradients")):
             sent, received = _order(lists[sender], op), _order(lists[receiver], op)
@@ -153,7 +170,7 @@ def _structure_problem(lists: list, pp: int, m: int) -> str:
                         f"carry no tag and match in the order they are posted: rank {receiver} would compute on "
                         f"another micro-batch's {what}. Run the {op}s in the same micro-batch order on every rank "
                         f"(oldest first)")
-    _, stuck = _simulate(lists, pp)
+    _, stuck = _simulate(lists, pp, SPLIT_COST if "W" in ops else COST)
     if stuck:
         return (f"the schedule deadlocks: {stuck}. Each of these ranks waits for something the other does only "
                 f"later. A rank must not wait for a gradient before it has sent the forwards that the ranks "
@@ -172,17 +189,19 @@ def _short(order: list[int]) -> str:
 
 def _needs(action: tuple, pp: int) -> list[tuple]:
     """What an action waits for: its input from the previous stage (F), its forward and the output
-    gradient from the next stage (B)."""
+    gradient from the next stage (B), its own B (W)."""
     op, i, s = action
     if op == "F":
         return [("F", i, s - 1)] if s > 0 else []
+    if op == "W":
+        return [("B", i, s)]
     return [("F", i, s)] + ([("B", i, s + 1)] if s < pp - 1 else [])
 
 
-def _simulate(lists: list, pp: int) -> tuple[list[list[tuple[int, int]]], str]:
+def _simulate(lists: list, pp: int, cost: dict = COST) -> tuple[list[list[tuple[int, int]]], str]:
     """Each rank runs its list in order; an action starts when the rank is free and what it needs is
-    done (messages take no time). Returns (start, end) of every action per rank, and '' or a
-    description of a deadlock."""
+    done (messages take no time); `cost` gives each op's time. Returns (start, end) of every action per
+    rank, and '' or a description of a deadlock."""
     done: dict[tuple, int] = {}
     free, position = [0] * pp, [0] * pp
     spans: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
@@ -195,7 +214,7 @@ def _simulate(lists: list, pp: int) -> tuple[list[list[tuple[int, int]]], str]:
                 if any(n not in done for n in needs):
                     break
                 start = max([free[r]] + [done[n] for n in needs])
-                free[r] = done[action] = start + COST[action[0]]
+                free[r] = done[action] = start + cost[action[0]]
                 spans[r].append((start, free[r]))
                 position[r] += 1
                 progressed = True
@@ -206,6 +225,7 @@ def _simulate(lists: list, pp: int) -> tuple[list[list[tuple[int, int]]], str]:
                     action = lists[r][position[r]]
                     need = next(n for n in _needs(action, pp) if n not in done)
                     what = (f"micro-batch {need[1]}'s activation from rank {r - 1}" if need[0] == "F" else
+                            f"its own B{need[1]}" if need[2] == r else
                             f"micro-batch {need[1]}'s gradient from rank {r + 1}")
                     waits.append(f"rank {r} waits at {_name(action)} for {what}")
             return spans, "; ".join(waits)
@@ -219,12 +239,14 @@ def _bubbles(spans: list) -> list[Fraction]:
 
 
 def _peaks(lists: list) -> list[int]:
-    """Per rank, the most micro-batches whose activations are held at once: from F until its B."""
+    """Per rank, the most micro-batches whose activations are held at once: from F until its B, or
+    until its W when the backward is split (W still needs the layers' inputs)."""
+    frees = "W" if any(a[0] == "W" for actions in lists for a in actions) else "B"
     peaks = []
     for actions in lists:
         alive = peak = 0
         for op, _, _ in actions:
-            alive += 1 if op == "F" else -1
+            alive += (op == "F") - (op == frees)
             peak = max(peak, alive)
         peaks.append(peak)
     return peaks
@@ -254,8 +276,9 @@ def _per_rank(values: list | None) -> str:
 
 # ---- 1. AFAB ----------------------------------------------------------------------------------------
 def check_afab_actions(afab_actions: Callable[[int, int, int], list]) -> None:
-    """All forwards, then all backwards (GPipe): complete, on stage `rank`, deadlock-free; every rank
-    holds all m micro-batches at its peak; simulated bubble (p-1)/(m+p-1), exactly."""
+    """All forwards, then all backwards (GPipe): complete, on stage `rank`, deadlock-free; forwards and
+    backwards both in micro-batch order 0, 1, ..., m-1, as the task says; every rank holds all m
+    micro-batches at its peak; simulated bubble (p-1)/(m+p-1), exactly."""
     _check_structure(afab_actions, "afab_actions", afab=True)
 
 
@@ -278,6 +301,8 @@ def _check_structure(fn: Callable, title: str, afab: bool) -> None:
             lists, detail = _as_actions(raw, m)
             detail = detail or _structure_problem(lists, pp, m)
             peak = bubble = None
+            if not detail and afab:
+                detail = _afab_order_problem(lists, m)
             if not detail:
                 peak = _peaks(lists)
                 spans, _ = _simulate(lists, pp)
@@ -288,6 +313,22 @@ def _check_structure(fn: Callable, title: str, afab: bool) -> None:
             report.add(not detail, detail, pp=pp, m=m,
                        **{"peak (want)": _per_rank(want_peak), "peak (got)": _per_rank(peak),
                           "bubble (want)": _fraction(want_bubble), "bubble (got)": _fraction(bubble)})
+
+
+def _afab_order_problem(lists: list, m: int) -> str:
+    """'' when every rank runs its forwards, and then its backwards, in micro-batch order 0, 1, ..., m-1.
+
+    The task asks for this order, and picotron's afab schedule and torch's ScheduleGPipe both run it.
+    Newest-first backwards on every rank would also train right (the message orders would still
+    match), but they are not what the task asks for."""
+    for rank, actions in enumerate(lists):
+        for op, what in (("F", "forwards"), ("B", "backwards")):
+            order = _order(actions, op)
+            if order != list(range(m)):
+                return (f"rank {rank} runs its {what} in the order {_short(order)}; the task asks for "
+                        f"{_short(list(range(m)))}: the forwards of micro-batches 0, 1, ... in turn, then their "
+                        f"backwards in the same order as the forwards (oldest first)")
+    return ""
 
 
 def _peak_problem(pp: int, m: int, peak: list, want_peak: list, first_b: list, afab: bool) -> str:
@@ -326,17 +367,92 @@ def _bubble_problem(bubbles: list, want: Fraction) -> str:
     return ""
 
 
+# ---- 4. stretch: ZB-H1, the backward split into B and W ------------------------------------------------
+def zb_h1_step(pp: int, m: int) -> int:
+    """ZB-H1's step in time units of SPLIT_COST: m(F+B+W) of work plus (p-1)(F+B-W) idle on every rank
+    (Qi et al. 2023, arXiv:2401.10241, section 3; needs m >= p and W <= min(F, B))."""
+    f, b, w = SPLIT_COST["F"], SPLIT_COST["B"], SPLIT_COST["W"]
+    return m * (f + b + w) + (pp - 1) * (f + b - w)
+
+
+def one_f_one_b_step(pp: int, m: int) -> int:
+    """1F1B's step in time units of SPLIT_COST, its backward B + W in one piece: (m+p-1)(F+B+W)."""
+    return (m + pp - 1) * sum(SPLIT_COST.values())
+
+
+def check_zb_h1_actions(zb_h1_actions: Callable[[int, int, int], list]) -> None:
+    """Stretch. ZB-H1: every micro-batch's F, B and W once on stage `rank`, each W after its B, messages
+    in matching order, deadlock-free; at most p micro-batches held on a rank (from F until W); with
+    F = B = W = 1, a step of m(F+B+W) + (p-1)(F+B-W) when m >= p, and no longer than 1F1B's
+    (m+p-1)(F+B+W) when m < p (where ZB-H1's formula does not apply)."""
+    note = (f"each rank's list from zb_h1_actions(rank, pp, m), simulated with F = B = W = 1 time unit "
+            f"(B: the input's gradient, W: the weights'); peak = most micro-batches between their F and their W on "
+            f"a rank, want <= p; step = the simulated step's length, want m(F+B+W) + (p-1)(F+B-W) (ZB-H1) when "
+            f"m >= p, at most 1F1B's (m+p-1)(F+B+W) when m < p")
+    cases = [(pp, m, _lists(zb_h1_actions, pp, m)) for pp, m in STRUCTURE_CASES]
+    with Report("zb_h1_actions", note=note) as report:
+        for pp, m, raw in cases:
+            full = m >= pp
+            want_step = zb_h1_step(pp, m) if full else one_f_one_b_step(pp, m)
+            lists, detail = _as_actions(raw, m, ops="FBW")
+            detail = detail or _structure_problem(lists, pp, m, ops="FBW")
+            peak = step = None
+            if not detail:
+                peak = _peaks(lists)
+                spans, _ = _simulate(lists, pp, SPLIT_COST)
+                step = max(e for rank in spans for _, e in rank)
+                detail = _zb_peak_problem(pp, peak) or _zb_step_problem(lists, pp, m, step, want_step, full)
+            report.add(not detail, detail, pp=pp, m=m, **{"peak (want)": f"<= {pp}", "peak (got)": _per_rank(peak),
+                                                          "step (want)": f"{'' if full else '<= '}{want_step}",
+                                                          "step (got)": "-" if step is None else step,
+                                                          "bubble (got)": "-" if step is None else
+                                                          _fraction(Fraction(step - m * sum(SPLIT_COST.values()),
+                                                                             step))})
+
+
+def _zb_peak_problem(pp: int, peak: list) -> str:
+    for r, held in enumerate(peak):
+        if held > pp:
+            return (f"rank {r} holds up to {_count(held, 'micro-batch')} between F and W, more than p = {pp}: a "
+                    f"micro-batch's activations stay until its W has run. In 1F1B's steady state rank {r} holds "
+                    f"p - r = {pp - r} between F and B; that leaves room for only a few W's waiting. Run each W "
+                    f"sooner")
+    return ""
+
+
+def _zb_step_problem(lists: list, pp: int, m: int, step: int, want: int, full: bool) -> str:
+    if step <= want:
+        return ""
+    if not full:
+        return (f"the step takes {step} time units, longer than 1F1B's (m+p-1)(F+B+W) = {want}: with fewer "
+                f"micro-batches than stages, splitting the backward should still never make the step longer")
+    if all(a[0] != "B" or actions[k + 1:k + 2] == [("W", a[1], a[2])]
+           for actions in lists for k, a in enumerate(actions)):
+        return (f"the step takes {step} time units; ZB-H1 takes m(F+B+W) + (p-1)(F+B-W) = {want}. Every W runs right "
+                f"after its B: the gradient leaves a little sooner than in 1F1B, but the ranks still wait where 1F1B "
+                f"waits. Hold W's back, to fill the time a rank would otherwise spend waiting for a gradient")
+    return (f"the step takes {step} time units; ZB-H1 takes m(F+B+W) + (p-1)(F+B-W) = {want}. Somewhere a rank "
+            f"runs a W while a neighbour waits for its B or F, or waits while a W could run: "
+            f"`show_timeline(zb_h1_actions, {pp}, {m})` shows where")
+
+
 # ---- the timeline, for the notebook -------------------------------------------------------------------
 def show_timeline(fn: Callable[[int, int, int], list], pp: int, m: int) -> None:
-    """Print the simulated timeline of fn's lists (F = 1 time unit, B = 2), each rank's peak and bubble."""
-    lists, problem = _as_actions(_lists(fn, pp, m), m)
-    problem = problem or _structure_problem(lists, pp, m)
+    """Print the simulated timeline of fn's lists (F = 1 time unit, B = 2; F = B = W = 1 when the lists
+    split the backward into B and W), each rank's peak and bubble."""
+    raw = _lists(fn, pp, m)
+    split = any(isinstance(a, tuple) and len(a) == 3 and a[0] == "W"
+                for actions in raw if isinstance(actions, (list, tuple)) for a in actions)
+    ops, cost = ("FBW", SPLIT_COST) if split else ("FB", COST)
+    lists, problem = _as_actions(raw, m, ops)
+    problem = problem or _structure_problem(lists, pp, m, ops)
     if problem:
         raise ValueError(problem)
-    spans, _ = _simulate(lists, pp)
+    spans, _ = _simulate(lists, pp, cost)
     end = max(e for rank in spans for _, e in rank)
     width = len(str(m - 1)) + 1
-    print(f"{fn.__name__}, pp={pp}, m={m}: one column per time unit (F takes 1, B takes 2; '.' idle)")
+    costs = "F, B and W take 1 each" if split else "F takes 1, B takes 2"
+    print(f"{fn.__name__}, pp={pp}, m={m}: one column per time unit ({costs}; '.' idle)")
     for r, (actions, rank_spans, peak, bubble) in enumerate(zip(lists, spans, _peaks(lists), _bubbles(spans))):
         cells = ["." * width] * end
         for (op, i, _), (start, stop) in zip(actions, rank_spans):

@@ -12,8 +12,10 @@ import time
 
 import pytest
 
-from picotron_course.checks_pp import (STRUCTURE_CASES, TRAIN_CASES, check_afab_actions, check_one_f_one_b_actions,
-                                       check_one_f_one_b_training, show_timeline)
+import picotron.parallel.pipeline_schedules as pipeline_schedules
+from picotron_course.checks_pp import (COURSE_SCHEDULES, STRUCTURE_CASES, TRAIN_CASES, check_afab_actions,
+                                       check_one_f_one_b_actions, check_one_f_one_b_training, check_zb_h1_actions,
+                                       show_timeline)
 from picotron.parallel.pipeline_schedules import Action
 
 
@@ -25,11 +27,6 @@ def ref_afab(rank, pp, m):
 def ref_afab_tuples(rank, pp, m):
     """Plain tuples are actions too."""
     return [(op, i, rank) for op in "FB" for i in range(m)]
-
-
-def ref_afab_newest_first(rank, pp, m):
-    """GPipe's backward from the newest micro-batch: the same on every rank, so the messages still match."""
-    return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in reversed(range(m))]
 
 
 def ref_1f1b(rank, pp, m):
@@ -53,11 +50,34 @@ def ref_1f1b_queue(rank, pp, m):
     return actions
 
 
+def ref_zb_h1(rank, pp, m):
+    """1F1B's F and B order; W of micro-batch k - rank right after B of k, the W's still owed at the end."""
+    actions = []
+    for a in ref_1f1b(rank, pp, m):
+        actions.append(a)
+        if a.op == "B" and a.microbatch >= rank:
+            actions.append(Action("W", a.microbatch - rank, rank))
+    return actions + [Action("W", k, rank) for k in range(max(m - rank, 0), m)]
+
+
+def ref_zb_h1_pending(rank, pp, m):
+    """The same from a memory budget, as plain tuples: after a B, run the oldest W while more than `rank`
+    wait (rank r holds p - r micro-batches between F and B, so p in all)."""
+    actions, pending = [], []
+    for op, i, _ in ref_1f1b_queue(rank, pp, m):
+        actions.append((op, i, rank))
+        if op == "B":
+            pending.append(i)
+            if len(pending) > rank:
+                actions.append(("W", pending.pop(0), rank))
+    return actions + [("W", i, rank) for i in pending]
+
+
 @pytest.mark.parametrize("check, answer", [(check_afab_actions, ref_afab), (check_afab_actions, ref_afab_tuples),
-                                           (check_afab_actions, ref_afab_newest_first),
                                            (check_one_f_one_b_actions, ref_1f1b),
-                                           (check_one_f_one_b_actions, ref_1f1b_queue)],
-                         ids=["afab", "afab_tuples", "afab_newest_first", "1f1b", "1f1b_queue"])
+                                           (check_one_f_one_b_actions, ref_1f1b_queue),
+                                           (check_zb_h1_actions, ref_zb_h1), (check_zb_h1_actions, ref_zb_h1_pending)],
+                         ids=["afab", "afab_tuples", "1f1b", "1f1b_queue", "zb_h1", "zb_h1_pending"])
 def test_correct_structure_passes(check, answer, capsys):
     check(answer)
     out = capsys.readouterr().out
@@ -143,6 +163,58 @@ def calls_the_course_1f1b(rank, pp, m):
     return one_f_one_b_schedule(pp, m).actions[rank]
 
 
+def afab_newest_first(rank, pp, m):
+    """Backwards from the newest micro-batch on every rank: the messages still match, and it would train
+    right, but the task asks for the backwards in the same order as the forwards."""
+    return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in reversed(range(m))]
+
+
+def afab_all_reversed(rank, pp, m):
+    """Forwards and backwards both newest first, the same on every rank."""
+    return [Action(op, i, rank) for op in "FB" for i in reversed(range(m))]
+
+
+def zb_w_right_after_b(rank, pp, m):
+    """1F1B with the backward cut in two and nothing moved: B's gradient leaves sooner, but the waits stay."""
+    return [x for a in ref_1f1b(rank, pp, m) for x in ([a, Action("W", a.microbatch, rank)] if a.op == "B" else [a])]
+
+
+def zb_all_w_at_the_end(rank, pp, m):
+    """Every W after the last B: no bubble left to fill, but every micro-batch held until the end."""
+    return ref_1f1b(rank, pp, m) + [Action("W", i, rank) for i in range(m)]
+
+
+def zb_w_early_in_the_cool_down(rank, pp, m):
+    """The lag of ref_zb_h1, plus a waiting W run before each cool-down B: it delays the B a neighbour
+    waits for."""
+    warmup, actions, pending = min(pp - rank - 1, m), [], []
+    base = ref_1f1b(rank, pp, m)
+    for k, a in enumerate(base):
+        if a.op == "B" and k >= 2 * m - warmup and pending:      # the cool-down's B's
+            actions.append(Action("W", pending.pop(0), rank))
+        actions.append(a)
+        if a.op == "B":
+            pending.append(a.microbatch)
+            if len(pending) > rank:
+                actions.append(Action("W", pending.pop(0), rank))
+    return actions + [Action("W", i, rank) for i in pending]
+
+
+def zb_w_before_its_b(rank, pp, m):
+    actions = ref_zb_h1(rank, pp, m)
+    b, w = actions.index(Action("B", 0, rank)), actions.index(Action("W", 0, rank))
+    actions[b], actions[w] = actions[w], actions[b]
+    return actions
+
+
+def zb_without_w(rank, pp, m):
+    return ref_1f1b(rank, pp, m)
+
+
+def calls_the_course_zb_h1(rank, pp, m):
+    return pipeline_schedules.zb_h1_schedule(pp, m).actions[rank]
+
+
 def calls_make_schedule(rank, pp, m):
     import picotron.parallel.pipeline_schedules as pipeline
     return pipeline.make_schedule("afab", pp, m).actions[rank]
@@ -161,6 +233,14 @@ WRONG_STRUCTURE = [
     (check_afab_actions, ref_1f1b, "AFAB all"),
     (check_afab_actions, no_warmup, "AFAB all"),
     (check_afab_actions, afab_on_stage_zero, "holds stage"),
+    (check_afab_actions, afab_newest_first, r"backwards in the order \[7, 6, .*same order as the forwards"),
+    (check_afab_actions, afab_all_reversed, r"forwards in the order \[7, 6"),
+    (check_zb_h1_actions, zb_w_right_after_b, "Every W runs right after its B"),
+    (check_zb_h1_actions, zb_all_w_at_the_end, "more than p = 4"),
+    (check_zb_h1_actions, zb_w_early_in_the_cool_down, r"ZB-H1 takes m\(F\+B\+W\) \+ \(p-1\)\(F\+B-W\) = 27"),
+    (check_zb_h1_actions, zb_w_before_its_b, "W0 comes before B0"),
+    (check_zb_h1_actions, zb_without_w, "missing W"),
+    (check_zb_h1_actions, ref_1f1b_queue, "missing W"),
 ]
 
 
@@ -176,8 +256,9 @@ def test_wrong_structure_fails(check, answer, says, capsys):
                                                   "one_f_one_b_schedule"),
                                                  (check_afab_actions, calls_make_schedule, "make_schedule"),
                                                  (check_one_f_one_b_training, calls_the_course_1f1b,
-                                                  "one_f_one_b_schedule")],
-                         ids=["1f1b", "afab_make_schedule", "training"])
+                                                  "one_f_one_b_schedule"),
+                                                 (check_zb_h1_actions, calls_the_course_zb_h1, "zb_h1_schedule")],
+                         ids=["1f1b", "afab_make_schedule", "training", "zb_h1"])
 def test_the_course_answer_is_refused(check, answer, name):
     with pytest.raises(AssertionError, match=f"{name}, the course's answer"):
         check(answer)
@@ -203,7 +284,7 @@ def test_training_refuses_a_broken_list_before_launching(answer, says, capsys):
 def test_unsolved_lets_not_implemented_through():
     def unsolved(rank, pp, m):
         raise NotImplementedError("one_f_one_b_actions: write this part")
-    for check in (check_afab_actions, check_one_f_one_b_actions, check_one_f_one_b_training):
+    for check in (check_afab_actions, check_one_f_one_b_actions, check_one_f_one_b_training, check_zb_h1_actions):
         with pytest.raises(NotImplementedError):
             check(unsolved)
 
@@ -215,3 +296,24 @@ def test_timeline_shows_the_warm_up(capsys):
     assert lines[4].startswith("rank 3: .. .. .. F0 B0 --") and "peak 1" in lines[4]
     with pytest.raises(ValueError, match="deadlocks"):
         show_timeline(warmup_counts_up, 4, 8)
+
+
+def test_zb_h1_timeline_shows_the_held_back_w(capsys):
+    show_timeline(ref_zb_h1, 4, 8)
+    lines = capsys.readouterr().out.splitlines()
+    assert "F, B and W take 1 each" in lines[0]
+    assert lines[4].startswith("rank 3: .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4") and "peak 4, bubble 0.11" in lines[4]
+
+
+@pytest.mark.parametrize("check, answer", [(check_afab_actions, ref_afab), (check_one_f_one_b_actions, ref_1f1b),
+                                           (check_zb_h1_actions, ref_zb_h1)], ids=["afab", "1f1b", "zb_h1"])
+def test_structure_checks_need_nothing_of_the_course_module(check, answer, monkeypatch, capsys):
+    """The checks judge with their own simulation: with the course's schedules and simulator broken,
+    a right answer still passes (so the checks are no copy of picotron's answer)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("the check called the course's pipeline_schedules")
+    for name in (*COURSE_SCHEDULES, "simulate", "check_schedule", "peak_in_flight", "bubble_fraction",
+                 "bubble_formula"):
+        monkeypatch.setattr(pipeline_schedules, name, broken)
+    check(answer)
+    assert "FAIL" not in capsys.readouterr().out
