@@ -9,6 +9,11 @@ uses picotron.parallel.data_parallel, the module the assignment rebuilds.
     check_grad_bucket(GradBucket)       one async all-reduce of the whole buffer, when the last gradient is ready
     check_hooks(DataParallel)           every bucket launched during backward, gradients = one process's
     check_data_parallel(DataParallel)   5 AdamW steps, bucket sizes x gradient accumulation with no_sync
+    check_assign_buckets(assign_buckets) stretch: the bucket plan of a model, against the order one backward
+                                        finishes the gradients in (one process)
+
+`given_bucket_plan` is the plan the guided part's DataParallel is given; the stretch asks for the
+learner's own, and its check refuses an answer that calls it (or picotron's `assign_buckets`).
 
 Inside the ranks, `recorded_all_reduces` wraps `torch.distributed.all_reduce` (which
 `picotron.comm.all_reduce` calls) to note every call: its tensor, whether it was
@@ -19,7 +24,10 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
+from collections import Counter
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch
@@ -33,8 +41,8 @@ from picotron_course.checks import (Report, close_enough, close_in_training, max
                                     one_thread, rank_tensor)
 from picotron.model import Llama, loss_fn
 
-__all__ = ["check_grad_views", "check_grad_bucket", "check_hooks", "check_data_parallel", "recorded_all_reduces",
-           "CHECK_MODEL", "WORLD"]
+__all__ = ["check_grad_views", "check_grad_bucket", "check_hooks", "check_data_parallel", "check_assign_buckets",
+           "given_bucket_plan", "recorded_all_reduces", "CHECK_MODEL", "WORLD"]
 
 WORLD = 4
 # A small Llama with a tied embedding (one weight, two uses): 11 parameter tensors of 32 to 8192 elements.
@@ -393,3 +401,134 @@ def _train_one_process(accum: int) -> tuple[list, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
     return grads, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# ---- 5. stretch: the bucket plan ---------------------------------------------------------------
+def given_bucket_plan(model: nn.Module, bucket_numel: int) -> list[list[nn.Parameter]]:
+    """The bucket plan the guided part's DataParallel is given; the stretch asks for your own.
+
+    Trainable parameters, each once, last registered first, cut into groups that close once they
+    hold at least `bucket_numel` elements.
+    """
+    plan: list[list[nn.Parameter]] = []
+    size = 0
+    for param in [p for p in model.parameters() if p.requires_grad][::-1]:
+        if not plan or size >= bucket_numel:
+            plan.append([])
+            size = 0
+        plan[-1].append(param)
+        size += param.numel()
+    return plan
+
+
+# (model, bucket_numel, names of frozen parameters): one bucket per parameter, a few, one for all,
+# a deeper model, and frozen parameters (no gradient, so no hook: they must stay out of every bucket).
+PLAN_CASES = [("1 layer", 0, ()), ("1 layer", 3000, ()), ("1 layer", 10**9, ()), ("2 layers", 2500, ()),
+              ("2 layers", 3000, ("norm.weight", "layers.1.attn.q_proj.weight"))]
+PLAN_MODELS = {"1 layer": CHECK_MODEL, "2 layers": replace(CHECK_MODEL, num_layers=2)}
+COURSE_PLANS = {(PACKAGE, "assign_buckets"), (__name__, "given_bucket_plan")}
+
+
+def check_assign_buckets(assign_buckets: Callable) -> None:
+    """assign_buckets(model, bucket_numel) -> list of buckets (lists of parameters): every trainable
+    parameter exactly once (the tied embedding too), in the order one backward finishes their
+    gradients, cut into consecutive groups that close once they hold >= bucket_numel elements."""
+    with Report("assign_buckets", note="one process; 'ready order' = the order the post-accumulate-grad hooks "
+                                       "fired in one backward of the same model") as report:
+        for model_name, bucket_numel, frozen in PLAN_CASES:
+            model = plan_model(model_name, frozen)
+            ready = ready_order(model)
+            with _course_plan_calls() as called:
+                plan = assign_buckets(model, bucket_numel)
+            if called:
+                raise AssertionError(f"check_assign_buckets: your assign_buckets called {called[0]}, the course's "
+                                     "plan; write your own")
+            detail = _plan_problem(plan, model, ready, bucket_numel)
+            sizes = [sum(p.numel() for p in bucket) for bucket in plan] if not detail else []
+            report.add(not detail, detail, model=model_name, bucket_numel=bucket_numel, frozen=len(frozen),
+                       buckets=len(plan) if isinstance(plan, (list, tuple)) else "-",
+                       **{"largest (elements)": max(sizes, default="-")})
+
+
+def plan_model(name: str, frozen: tuple = ()) -> Llama:
+    """A check model (the embedding tied to the LM head), the same every time, with `frozen` parameters."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Llama(PLAN_MODELS[name])
+    for param_name, param in model.named_parameters():
+        param.requires_grad_(param_name not in frozen)
+    return model
+
+
+def ready_order(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters in the order one backward finishes their gradients (a single-process fact)."""
+    order: list[nn.Parameter] = []
+    handles = [p.register_post_accumulate_grad_hook(order.append) for p in model.parameters() if p.requires_grad]
+    tokens = _tokens(0, 0, 0)
+    with one_thread():
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    for handle in handles:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+    return order
+
+
+@contextmanager
+def _course_plan_calls() -> Iterator[list[str]]:
+    """Inside the block, note every call of the course's own bucket plans, however they were imported."""
+    called: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and (frame.f_globals.get("__name__"), frame.f_code.co_name) in COURSE_PLANS:
+            called.append(f"{frame.f_globals['__name__']}.{frame.f_code.co_name}")
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield called
+    finally:
+        sys.setprofile(previous)
+
+
+def _plan_problem(plan, model: nn.Module, ready: list, bucket_numel: int) -> str:
+    """What is wrong with `plan`, in words, or "" when every fact holds."""
+    names = {id(p): name for name, p in model.named_parameters()}   # a tied weight once, by its first name
+    params = {id(p): p for p in model.parameters()}
+    if not isinstance(plan, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in plan):
+        return (f"return a list of buckets, each a list of parameters; got {type(plan).__name__}"
+                + (f" of {type(plan[0]).__name__}" if isinstance(plan, (list, tuple)) and plan else ""))
+    flat = [p for bucket in plan for p in bucket]
+    if not all(isinstance(p, torch.Tensor) for p in flat):
+        return "a bucket holds something that is not a tensor: put the parameters themselves in, not names or sizes"
+    if any(id(p) not in params for p in flat):
+        return "a bucket holds a tensor that is not a parameter of the model (a copy?): put the parameters themselves in"
+    empty = [i for i, bucket in enumerate(plan) if not bucket]
+    if empty:
+        return f"bucket {empty[0]} is empty: every bucket holds at least one parameter"
+    frozen = [names[id(p)] for p in flat if not p.requires_grad]
+    if frozen:
+        return (f"{frozen[0]} does not require grad: it never gets a gradient, so its hook never fires and its "
+                "bucket would never be full; leave it out")
+    counts = Counter(names[id(p)] for p in flat)
+    twice = [name for name, k in counts.items() if k > 1]
+    if twice:
+        tied = " (the embedding is tied to the LM head: one tensor under two names)" if twice[0] == "embed.weight" else ""
+        return (f"{twice[0]} is in the plan {counts[twice[0]]} times{tied}; put each parameter in exactly one "
+                "bucket, once (model.parameters() lists a tied weight once)")
+    missing = [names[id(p)] for p in ready if names[id(p)] not in counts]
+    if missing:
+        return f"missing from every bucket: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}"
+    for position, (got, want) in enumerate(zip(flat, ready)):
+        if got is not want:
+            return (f"position {position} of the plan holds {names[id(got)]}, but backward finishes {names[id(want)]} "
+                    "there: list the parameters in the order their gradients become ready")
+    for i, bucket in enumerate(plan):
+        size = sum(p.numel() for p in bucket)
+        if i < len(plan) - 1 and size < bucket_numel:
+            return (f"bucket {i} holds {size} elements, fewer than bucket_numel={bucket_numel}, and is not the last: "
+                    "keep filling a bucket until it holds at least bucket_numel elements")
+        if len(bucket) > 1 and size - bucket[-1].numel() >= bucket_numel:
+            return (f"bucket {i} already held {size - bucket[-1].numel()} >= bucket_numel={bucket_numel} elements "
+                    f"before {names[id(bucket[-1])]} was added: close a bucket as soon as it holds at least "
+                    "bucket_numel (a parameter is never split, so a bucket may go over)")
+    return ""

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron_course.checks_dp import check_data_parallel, check_grad_bucket, check_grad_views, check_hooks
+from picotron_course.checks_dp import (PLAN_CASES, check_assign_buckets, check_data_parallel, check_grad_bucket,
+                                       check_grad_views, check_hooks, given_bucket_plan, plan_model, ready_order)
 from picotron.parallel import data_parallel as package
 
 
@@ -79,9 +80,23 @@ class RefDP:
             b.wait()
 
 
+def ref_assign_buckets(model, bucket_numel):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    plan, size = [], 0
+    for p in reversed(trainable):
+        if plan and size < bucket_numel:
+            plan[-1].append(p)
+        else:
+            plan.append([p])
+            size = 0
+        size += p.numel()
+    return plan
+
+
 @pytest.mark.parametrize("check, answer", [(check_grad_views, ref_grad_views), (check_grad_bucket, RefBucket),
-                                           (check_hooks, RefDP), (check_data_parallel, RefDP)],
-                         ids=["grad_views", "bucket", "hooks", "training"])
+                                           (check_hooks, RefDP), (check_data_parallel, RefDP),
+                                           (check_assign_buckets, ref_assign_buckets)],
+                         ids=["grad_views", "bucket", "hooks", "training", "assign_buckets"])
 def test_correct_answer_passes(check, answer, capsys):
     check(answer)
     out = capsys.readouterr().out
@@ -182,6 +197,76 @@ class PackageBucket(package.GradBucket):
         super().__init__(params, group)
 
 
+def plan_registration_order(model, bucket_numel):  # the order forward uses them: backward finishes them last
+    return ref_assign_buckets(_Reversed(model), bucket_numel)
+
+
+class _Reversed:
+    def __init__(self, model):
+        self.model = model
+
+    def parameters(self):
+        return reversed(list(self.model.parameters()))
+
+
+def plan_tied_twice(model, bucket_numel):  # every name, so the tied embedding also as lm_head.weight
+    params = [p for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    return [[p] for p in reversed(params)] if bucket_numel == 0 else [list(reversed(params))]
+
+
+def plan_never_over(model, bucket_numel):  # closes a bucket before it would exceed bucket_numel
+    plan, size = [], 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        if not plan or size + p.numel() > bucket_numel:
+            plan.append([])
+            size = 0
+        plan[-1].append(p)
+        size += p.numel()
+    return plan
+
+
+def plan_one_past(model, bucket_numel):  # closes one parameter late
+    plan, size = [], 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        if not plan or (size >= bucket_numel and len(plan[-1]) > 1):
+            plan.append([])
+            size = 0
+        plan[-1].append(p)
+        size += p.numel()
+    return plan
+
+
+def plan_with_frozen(model, bucket_numel):  # a frozen parameter never gets a gradient, nor a hook call
+    plan, size = [], 0
+    for p in reversed(list(model.parameters())):
+        if not plan or size >= bucket_numel:
+            plan.append([])
+            size = 0
+        plan[-1].append(p)
+        size += p.numel()
+    return plan
+
+
+def plan_of_names(model, bucket_numel):
+    return [[name] for name, _ in reversed(list(model.named_parameters()))]
+
+
+def plan_of_copies(model, bucket_numel):
+    return [[p.detach().clone() for p in bucket] for bucket in ref_assign_buckets(model, bucket_numel)]
+
+
+def plan_flat(model, bucket_numel):
+    return [p for bucket in ref_assign_buckets(model, bucket_numel) for p in bucket]
+
+
+def plan_given(model, bucket_numel):
+    return given_bucket_plan(model, bucket_numel)
+
+
+def plan_package(model, bucket_numel):
+    return package.assign_buckets([p for p in model.parameters() if p.requires_grad][::-1], bucket_numel)
+
+
 WRONG_ANSWERS = [
     (check_grad_views, gv_copies, "not a view of the buffer"),
     (check_grad_views, gv_reversed, "in the order given"),
@@ -197,12 +282,35 @@ WRONG_ANSWERS = [
     (check_hooks, DPAfterBackward, "started their all-reduce while backward ran"),
     (check_hooks, DPForgetsToWait, "before waiting"),
     (check_data_parallel, DPIgnoresNoSync, "inside no_sync"),
+    (check_assign_buckets, plan_registration_order, "backward finishes"),
+    (check_assign_buckets, plan_tied_twice, "embed.weight is in the plan 2 times .the embedding is tied"),
+    (check_assign_buckets, plan_never_over, "fewer than bucket_numel"),
+    (check_assign_buckets, plan_one_past, "close a bucket as soon as"),
+    (check_assign_buckets, plan_with_frozen, "does not require grad"),
+    (check_assign_buckets, plan_of_names, "not a tensor"),
+    (check_assign_buckets, plan_of_copies, "not a parameter of the model"),
+    (check_assign_buckets, plan_flat, "list of buckets"),
+    (check_assign_buckets, plan_given, "given_bucket_plan, the course's plan"),
+    (check_assign_buckets, plan_package, "data_parallel.assign_buckets, the course's plan"),
 ]
+REFUSED = {PackageBucket, plan_given, plan_package}  # refused before a table is printed
 
 
 @pytest.mark.parametrize("check, answer, says", WRONG_ANSWERS, ids=[a.__name__ for _, a, _ in WRONG_ANSWERS])
 def test_wrong_answer_fails(check, answer, says, capsys):
     with pytest.raises(AssertionError, match=says):
         check(answer)
-    if answer is not PackageBucket:  # refused before running: no table
+    if answer not in REFUSED:
         assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model_name, frozen", sorted({(m, f) for m, _, f in PLAN_CASES}))
+def test_reverse_registration_is_the_ready_order_of_the_check_models(model_name, frozen):
+    """The proxy the stretch task names is exact for the check's models: the check's 'ready order'
+    (measured from the hooks of one backward) is model.parameters() reversed, the tied embedding last."""
+    model = plan_model(model_name, frozen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ready = ready_order(model)
+    assert [id(p) for p in ready] == [id(p) for p in reversed(trainable)]
+    assert ready[-1] is model.embed.weight is model.lm_head.weight
+    assert all(p.grad is None for p in model.parameters())  # the check hands the learner a model without gradients
