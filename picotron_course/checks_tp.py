@@ -15,6 +15,15 @@ picotron.parallel.tensor_parallel, the module the assignment rebuilds.
                                                 column -> GELU -> row equals the full MLP, one all-reduce each way
     check_vocab_parallel_cross_entropy(fn)      loss and logit gradients equal F.cross_entropy's; at most 3 numbers
                                                 per token all-reduced, nothing else, nothing in backward
+    check_gather_from_sp(GatherFromSP)          stretch: all-gather the sequence forward; reduce-scatter (sum) backward
+    check_reduce_scatter_to_sp(ReduceScatterToSP)
+                                                stretch: reduce-scatter (sum) the sequence forward; all-gather backward
+    check_sp_mlp(SequenceParallelMLP)           stretch: all-gather -> column -> GELU -> row -> reduce-scatter equals the
+                                                full MLP on this rank's tokens; one all-gather and one reduce-scatter
+                                                each way, no all-reduce
+
+`mlp_with_g(g)` is the "predict, then run" cell's harness: the MLP with a given g on the ranks
+against one process (gradients, and a few steps of AdamW and of SGD).
 
 Inside the ranks, `recorded_collectives` wraps torch.distributed's collectives (and point-to-point
 sends) to note every call: the operation, the elements and bytes handed in, the reduction and the
@@ -37,7 +46,8 @@ from picotron_course.checks import (Report, close_enough, collectives_observed, 
                                     on_ranks, payload_of, rank_tensor)
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",
-           "check_tp_mlp", "check_vocab_parallel_cross_entropy", "recorded_collectives", "Call", "WORLD", "TP_SIZES"]
+           "check_tp_mlp", "check_vocab_parallel_cross_entropy", "check_gather_from_sp", "check_reduce_scatter_to_sp",
+           "check_sp_mlp", "mlp_with_g", "recorded_collectives", "Call", "WORLD", "TP_SIZES"]
 
 WORLD = 4
 TP_SIZES = (4, 2)          # one group of all 4 ranks; two groups of 2 (ranks 0-1, 2-3)
@@ -48,6 +58,8 @@ REGION_SHAPES = [(2, 3, 5), (4, 6)]                     # x of f and g
 COLUMN_CASES = [((2, 3), 6, 8), ((5,), 4, 12)]          # (leading dims of x, in_features, out_features)
 ROW_CASES = [((2, 3), 8, 6), ((5,), 12, 4)]             # the split dimension (out for column, in for row) / 4
 MLP_CASES = [((2, 3), 8, 16), ((5,), 6, 12)]            # (leading dims, hidden, ffn)
+SP_SHAPES = [(2, 8, 3), (1, 4, 5)]                      # (batch, seq, hidden): the sequence splits over 4 and 2
+SP_MLP_CASES = [((2, 8), 8, 16), ((1, 4), 6, 12)]       # ((batch, seq), hidden, ffn)
 # (name, leading dims, vocabulary, logit offset, upstream gradient). Near 100, exp overflows in fp32
 # (it does above 88.7) unless the max is subtracted first.
 CE_CASES = [("random", (2, 3), 16, 0.0, 1.0), ("logits near 100", (2, 3), 16, 100.0, 1.0),
@@ -375,14 +387,22 @@ def _weight_problem(per_rank: list, wants: list, tp: int, kind: str, key: str = 
         if info["param_numel"] != want.numel():
             return (f"rank {rank}: the module has {info['param_numel']} parameter elements, its shard {want.numel()}: "
                     "keep only the shard (self.linear = linear would keep the whole weight on every rank)")
+        if info["storage_numel"] > want.numel():
+            return (f"rank {rank}: {name} is a view into the memory of the whole weight ({info['storage_numel']} "
+                    f"elements) for a shard of {want.numel()}: every rank would still store all of W. Keep a copy "
+                    "of the slice: nn.Parameter(linear.weight.detach()[...].clone())")
     return ""
 
 
-def _module_info(module: nn.Module) -> dict:
-    weight = getattr(module, "weight", None)
-    return {"weight": weight.detach().clone() if isinstance(weight, torch.Tensor) else None,
+def _module_info(module: nn.Module, attribute: str = "weight") -> dict:
+    """What a rank keeps: the tensor at `attribute`, whether it is a Parameter, the module's parameter
+    elements, and the elements of the memory the tensor lives in (more than its own for a view)."""
+    weight = getattr(module, attribute, None)
+    tensor = isinstance(weight, torch.Tensor)
+    return {"weight": weight.detach().clone() if tensor else None,
             "is_param": isinstance(weight, nn.Parameter),
-            "param_numel": sum(p.numel() for p in module.parameters())}
+            "param_numel": sum(p.numel() for p in module.parameters()),
+            "storage_numel": weight.untyped_storage().nbytes() // weight.element_size() if tensor else 0}
 
 
 def _shape_ok(info: dict, shape: tuple) -> bool:
@@ -747,4 +767,381 @@ def _ce_on_rank(fn: Callable, cases: list) -> list:
             with recorded_collectives() as backward:
                 (upstream * loss).backward()
             result.update(backward=backward, grad=_grad(local))
+    return out
+
+
+# ---- 8. stretch: sequence parallelism ----------------------------------------------------------
+# Outside a tp block, rank i of the group keeps only tokens [i s/t, (i+1) s/t) of the (b, s, h) activations.
+GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
+SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+
+
+def _kind(call: Call) -> str:
+    """'all-gather' or 'reduce-scatter' whatever torch function made it, else the operation's own name."""
+    return "all-gather" if call.op in GATHERS else "reduce-scatter" if call.op in SCATTERS else call.op
+
+
+def _tokens(t: torch.Tensor, i: int, tp: int) -> torch.Tensor:
+    """Rank i's tokens: (b, s, h) -> (b, s/tp, h), positions [i s/tp, (i+1) s/tp) of the sequence (dim 1)."""
+    return t.chunk(tp, 1)[i]
+
+
+def _sp_comm_problem(per_rank: list, key: str, tp: int, want: list[str], numel: int, where: str, why: str) -> str:
+    """Each rank's calls must be exactly the collectives `want` ('all-gather', 'reduce-scatter'), over the tp
+    group, reductions summing, each moving this rank's tokens or the whole (b, s, h) tensor (`numel` elements):
+    the counted payload is a gather's input shard or whole output, depending on the torch function."""
+    for rank, result in enumerate(per_rank):
+        calls = result.get(key)
+        if calls is None:
+            continue
+        at = f"{where} (rank {rank})"
+        expected = " and ".join(f"one {kind}" for kind in want)
+        kinds = [_kind(c) for c in calls]
+        if sorted(kinds) != sorted(want):
+            extra = ""
+            if "all_reduce" in kinds and "reduce-scatter" in kinds:
+                extra = (" The all-reduce sums what the reduce-scatter sums again: under SP the all-gather and the "
+                         "reduce-scatter replace f and g, they do not come on top of them.")
+            elif "all_reduce" in kinds and want == ["reduce-scatter"]:
+                extra = (" An all-reduce and then a slice gives the same numbers, but it sends 2(t-1)/t of the tensor "
+                         "per rank, not (t-1)/t, and builds the whole sum on every rank.")
+            elif "all_reduce" in kinds:
+                extra = " Under SP, the all-gather and the reduce-scatter take the place of f's and g's all-reduces."
+            return f"{at} made {describe(calls, tp)}; expected {expected}: {why}.{extra}"
+        for call in calls:
+            if call.group_size != tp:
+                return (f"{at} called {call.op} over {call.group_size} ranks, not the {tp} of the tp group: pass "
+                        "group=<the tp group> to the collective")
+            if _kind(call) == "reduce-scatter" and call.reduce != "sum":
+                return f"{at} reduce-scattered with {call.reduce.upper()}; the ranks' terms add up: use SUM"
+            if call.numel not in (numel // tp, numel):
+                return (f"{at} called {call.op} on {call.numel} elements; expected this rank's tokens "
+                        f"({numel // tp}) or the whole (b, s, h) tensor ({numel})")
+    return ""
+
+
+def _own_term_hint(own: Callable) -> Callable:
+    """A hint for a gradient that is this rank's own term only: `own(rank)` is that term."""
+    def hint(got, want, rank):
+        if close_enough(got, own(rank).to(got.dtype), FP32, n=ROUNDINGS):
+            return (": it is this rank's own term; each rank's gradient of the gathered sequence is partial, "
+                    "so sum them over the ranks (reduce-scatter, op SUM)")
+        return ""
+    return hint
+
+
+def check_gather_from_sp(GatherFromSP: type) -> None:
+    """Stretch. SP's way in: rank i holds tokens [i s/t, (i+1) s/t) of x, (b, s/t, h); y = the whole (b, s, h) on
+    every rank, by one all-gather. Backward: rank i's gradient of y is partial (its features' term), so
+    x_i.grad = its tokens of the sum over the ranks, by one reduce-scatter (sum)."""
+    _not_the_course_answer("check_gather_from_sp", GatherFromSP)
+    note = ("4 ranks as tp=4 and as 2 groups of tp=2; y = GatherFromSP.apply(x_i, group), x_i rank i's s/t tokens; "
+            "rank i backpropagates its own gradient g_i of the whole y. Expected: y = the x_i joined along the "
+            "sequence (dim 1) in rank order, one all-gather forward; x_i.grad = tokens [i s/t, (i+1) s/t) of the "
+            "sum of the g_i, one reduce-scatter (sum) backward")
+    with Report("GatherFromSP (all-gather the sequence)", note=note) as report:
+        results = on_ranks(_gather_on_rank, WORLD, GatherFromSP, SP_SHAPES)
+        for c, (tp, seed, shape) in enumerate(_cases(SP_SHAPES)):
+            per_rank = [r[c] for r in results]
+            whole = _sp_input(shape, seed)
+            upstream = sum(_sp_upstream(i, shape, seed) for i in range(tp))
+            x_grads = [_tokens(upstream, r % tp, tp) for r in range(WORLD)]
+            own = _own_term_hint(lambda rank, tp=tp, shape=shape, seed=seed:
+                                 _tokens(_sp_upstream(rank % tp, shape, seed), rank % tp, tp))
+            numel = whole.numel()
+            detail = (_sp_comm_problem(per_rank, "forward", tp, ["all-gather"], numel, "the forward",
+                                       "every rank needs the whole sequence, and each holds s/t of its tokens")
+                      or _value_problem(per_rank, "y", [whole] * WORLD, "y (the whole sequence)",
+                                        lambda *_: ": join the ranks' pieces along dim 1 (the sequence), rank 0's first")
+                      or _sp_comm_problem(per_rank, "backward", tp, ["reduce-scatter"], numel, "the backward",
+                                          "each rank's gradient of y is a partial term, and x_i needs only its own "
+                                          "tokens of their sum")
+                      or _value_problem(per_rank, "x_grad", x_grads, "x.grad (this rank's tokens)", own))
+            report.add(not detail, detail, tp=tp, x=tuple(_tokens(whole, 0, tp).shape), y=shape,
+                       **{"forward comm": describe(per_rank[0].get("forward", []), tp),
+                          "backward comm": describe(per_rank[0].get("backward", []), tp)},
+                       max_err=_max_err(per_rank, [("y", [whole] * WORLD), ("x_grad", x_grads)]))
+
+
+def _sp_input(shape: tuple, seed: int) -> torch.Tensor:
+    """The whole (b, s, h) activation every rank and the parent make; rank i keeps its tokens."""
+    return rank_tensor(40, shape, FP32, seed).double()
+
+
+def _sp_upstream(i: int, shape: tuple, seed: int) -> torch.Tensor:
+    """Rank i's own (b, s, h) term: a gradient of the gathered sequence, or a row-parallel partial sum."""
+    return rank_tensor(50 + i, shape, FP32, seed).double()
+
+
+def _gather_on_rank(GatherFromSP: type, shapes: list) -> list:
+    rank, out = dist.get_rank(), []
+    for tp, group in _groups():
+        i = rank % tp
+        for seed, shape in enumerate(shapes):
+            x = _tokens(_sp_input(shape, seed), i, tp).float().clone().requires_grad_()   # (b, s/t, h)
+            with recorded_collectives() as forward:
+                y = GatherFromSP.apply(x, group)
+            result = {"forward": forward, "y": y.detach().clone()}
+            out.append(result)
+            if _all_ok(tuple(y.shape) == shape and y.requires_grad, group):
+                with recorded_collectives() as backward:
+                    (y * _sp_upstream(i, shape, seed).float()).sum().backward()
+                result.update(backward=backward, x_grad=_grad(x))
+    return out
+
+
+def check_reduce_scatter_to_sp(ReduceScatterToSP: type) -> None:
+    """Stretch. SP's way out: rank i holds a partial sum x_i, (b, s, h); y_i = tokens [i s/t, (i+1) s/t) of the sum
+    over the ranks, (b, s/t, h), by one reduce-scatter (sum). Backward: every rank's x_i feeds all the tokens, so
+    x_i.grad = all the ranks' gradients joined along the sequence, by one all-gather."""
+    _not_the_course_answer("check_reduce_scatter_to_sp", ReduceScatterToSP)
+    note = ("4 ranks as tp=4 and as 2 groups of tp=2; y_i = ReduceScatterToSP.apply(x_i, group), x_i rank i's partial "
+            "sum of the whole sequence; rank i backpropagates the gradient g_i of its own tokens. Expected: y_i = "
+            "tokens [i s/t, (i+1) s/t) of the sum of the x_i, one reduce-scatter (sum) forward; x_i.grad = the g_i "
+            "joined along the sequence (dim 1), one all-gather backward")
+    with Report("ReduceScatterToSP (reduce-scatter the sequence)", note=note) as report:
+        results = on_ranks(_scatter_on_rank, WORLD, ReduceScatterToSP, SP_SHAPES)
+        for c, (tp, seed, shape) in enumerate(_cases(SP_SHAPES)):
+            per_rank = [r[c] for r in results]
+            total = sum(_sp_upstream(i, shape, seed) for i in range(tp))
+            ys = [_tokens(total, r % tp, tp) for r in range(WORLD)]
+            upstream = _sp_input(shape, seed)            # the g_i, joined: rank i backpropagates its tokens of it
+            numel = total.numel()
+
+            def sum_hint(got, want, rank, tp=tp, shape=shape, seed=seed):
+                own = _tokens(_sp_upstream(rank % tp, shape, seed), rank % tp, tp)
+                if close_enough(got, own.to(got.dtype), FP32, n=ROUNDINGS):
+                    return ": it is this rank's own partial sum, not the sum over the ranks"
+                if close_enough(got, (want / tp).to(got.dtype), FP32, n=ROUNDINGS):
+                    return ": it is the mean over the ranks; the partial sums add up"
+                return _group_rank_note(tp, rank)
+
+            detail = (_sp_comm_problem(per_rank, "forward", tp, ["reduce-scatter"], numel, "the forward",
+                                       "the output is the sum of the ranks' partial sums, and each rank keeps only "
+                                       "its own tokens of it")
+                      or _value_problem(per_rank, "y", ys, "y (this rank's tokens of the sum)", sum_hint)
+                      or _sp_comm_problem(per_rank, "backward", tp, ["all-gather"], numel, "the backward",
+                                          "x_i feeds every token of the sum, and each rank holds the gradient of "
+                                          "its own tokens only")
+                      or _value_problem(per_rank, "x_grad", [upstream] * WORLD, "x.grad (the whole sequence)",
+                                        lambda *_: ": join the ranks' gradients along dim 1 (the sequence), "
+                                                   "rank 0's first"))
+            report.add(not detail, detail, tp=tp, x=shape, y=tuple(_tokens(total, 0, tp).shape),
+                       **{"forward comm": describe(per_rank[0].get("forward", []), tp),
+                          "backward comm": describe(per_rank[0].get("backward", []), tp)},
+                       max_err=_max_err(per_rank, [("y", ys), ("x_grad", [upstream] * WORLD)]))
+
+
+def _scatter_on_rank(ReduceScatterToSP: type, shapes: list) -> list:
+    rank, out = dist.get_rank(), []
+    for tp, group in _groups():
+        i = rank % tp
+        for seed, shape in enumerate(shapes):
+            x = _sp_upstream(i, shape, seed).float().requires_grad_()                    # (b, s, h): a partial sum
+            upstream = _tokens(_sp_input(shape, seed), i, tp).float()                    # (b, s/t, h)
+            with recorded_collectives() as forward:
+                y = ReduceScatterToSP.apply(x, group)
+            result = {"forward": forward, "y": y.detach().clone()}
+            out.append(result)
+            if _all_ok(y.shape == upstream.shape and y.requires_grad, group):
+                with recorded_collectives() as backward:
+                    (y * upstream).sum().backward()
+                result.update(backward=backward, x_grad=_grad(x))
+    return out
+
+
+def check_sp_mlp(SequenceParallelMLP: type) -> None:
+    """Stretch. SequenceParallelMLP(up, down, group) keeps rows of up's weight (up_weight, (ffn/t, h)) and columns of
+    down's (down_weight, (h, ffn/t)); on this rank's tokens (b, s/t, h) it returns its tokens of the full MLP
+    down(gelu(up(x))). One all-gather and one reduce-scatter each way; no all-reduce."""
+    _not_the_course_answer("check_sp_mlp", SequenceParallelMLP)
+    note = ("4 ranks as tp=4 and as 2 groups of tp=2; y_i = SequenceParallelMLP(up, down, group)(x_i), x_i rank i's "
+            "s/t tokens of x; rank i backpropagates the gradient of its tokens. Compared with the full MLP in one "
+            "process on all the tokens: y, x.grad, both weight gradients, each cut to what rank i holds")
+    with Report("SequenceParallelMLP", note=note) as report:
+        results = on_ranks(_sp_mlp_on_rank, WORLD, SequenceParallelMLP, SP_MLP_CASES)
+        for c, (tp, seed, (lead, hidden, ffn)) in enumerate(_cases(SP_MLP_CASES)):
+            per_rank = [r[c] for r in results]
+            x, upstream = _inputs(lead, hidden, hidden, seed)
+            w_up, w_down = _weight(ffn, hidden, seed, 0), _weight(hidden, ffn, seed, 1)
+            ref = _reference([w_up, w_down], x, upstream)
+            ys = [_tokens(ref["y"], r % tp, tp) for r in range(WORLD)]
+            x_grads = [_tokens(ref["x_grad"], r % tp, tp) for r in range(WORLD)]
+            up_shards = [_shard_rows(w_up, r % tp, tp) for r in range(WORLD)]
+            down_shards = [_shard_last(w_down, r % tp, tp) for r in range(WORLD)]
+            up_grads = [_shard_rows(ref["w_grads"][0], r % tp, tp) for r in range(WORLD)]
+            down_grads = [_shard_last(ref["w_grads"][1], r % tp, tp) for r in range(WORLD)]
+            why = "the block enters with GatherFromSP and leaves with ReduceScatterToSP, and nothing else talks"
+            detail = (_sp_mlp_weights_problem(per_rank, up_shards, down_shards, tp)
+                      or _sp_comm_problem(per_rank, "forward", tp, ["all-gather", "reduce-scatter"], x.numel(),
+                                          "the MLP's forward", why)
+                      or _value_problem(per_rank, "y", ys, "y (this rank's tokens)")
+                      or _sp_comm_problem(per_rank, "backward", tp, ["reduce-scatter", "all-gather"], x.numel(),
+                                          "the MLP's backward", why)
+                      or _value_problem(per_rank, "x_grad", x_grads, "x.grad (this rank's tokens)")
+                      or _value_problem(per_rank, "up_grad", up_grads, "up_weight.grad (this rank's rows)")
+                      or _value_problem(per_rank, "down_grad", down_grads, "down_weight.grad (this rank's columns)"))
+            report.add(not detail, detail, tp=tp, **{"x on a rank": tuple(_tokens(x, 0, tp).shape)}, ffn=ffn,
+                       **{"forward comm": describe(per_rank[0].get("forward", []), tp),
+                          "backward comm": describe(per_rank[0].get("backward", []), tp)},
+                       max_err=_max_err(per_rank, [("y", ys), ("x_grad", x_grads), ("up_grad", up_grads),
+                                                   ("down_grad", down_grads)]))
+
+
+def _sp_mlp_weights_problem(per_rank: list, up_shards: list, down_shards: list, tp: int) -> str:
+    """up_weight and down_weight as the column and row layers keep them, and no other parameter."""
+    # Each shard on its own first (given its own element count: the module's total is checked after).
+    for key, shards, kind in (("up", up_shards, "column"), ("down", down_shards, "row")):
+        infos = [{"weight": {**r[key], "param_numel": shard.numel()}} for r, shard in zip(per_rank, shards)]
+        problem = _weight_problem(infos, shards, tp, kind, name=f"{key}_weight")
+        if problem:
+            return problem
+    for rank, (result, up, down) in enumerate(zip(per_rank, up_shards, down_shards)):
+        if result["param_numel"] != up.numel() + down.numel():
+            return (f"rank {rank}: the module has {result['param_numel']} parameter elements, its two shards "
+                    f"{up.numel() + down.numel()}: keep only up_weight and down_weight (not the Linears themselves)")
+    return ""
+
+
+def _sp_mlp_on_rank(SequenceParallelMLP: type, cases: list) -> list:
+    rank, out = dist.get_rank(), []
+    for tp, group in _groups():
+        i = rank % tp
+        for seed, (lead, hidden, ffn) in enumerate(cases):
+            mlp = SequenceParallelMLP(_linear(ffn, hidden, seed, 0), _linear(hidden, ffn, seed, 1), group)
+            _not_the_course_answer("check_sp_mlp", mlp)
+            result = {"up": _module_info(mlp, "up_weight"), "down": _module_info(mlp, "down_weight"),
+                      "param_numel": sum(p.numel() for p in mlp.parameters())}
+            out.append(result)
+            shapes_ok = (_shape_ok(result["up"], (ffn // tp, hidden)) and _shape_ok(result["down"], (hidden, ffn // tp))
+                         and result["param_numel"] == 2 * hidden * ffn // tp)
+            if not _all_ok(shapes_ok, group):
+                continue
+            x, upstream = _inputs(lead, hidden, hidden, seed)
+            x = _tokens(x, i, tp).clone().requires_grad_()                # (b, s/t, h): this rank's tokens
+            upstream = _tokens(upstream, i, tp)
+            with recorded_collectives() as forward:
+                y = mlp(x)
+            result.update(forward=forward, y=y.detach().clone())
+            if not _all_ok(y.shape == upstream.shape and y.requires_grad, group):
+                continue
+            with recorded_collectives() as backward:
+                (y * upstream).sum().backward()
+            result.update(backward=backward, x_grad=_grad(x), up_grad=_grad(mlp.up_weight),
+                          down_grad=_grad(mlp.down_weight))
+    return out
+
+
+# ---- 7. predict, then run: the MLP with a given g -----------------------------------------------
+DEMO_TOKENS, DEMO_HIDDEN, DEMO_FFN = 6, 8, 16
+DEMO_STEPS = 5
+DEMO_OPTIMIZERS = {"AdamW": 1e-2, "SGD": 0.5}              # name: learning rate
+ADAMW_BETAS, ADAMW_EPS, ADAMW_DECAY = (0.9, 0.999), 1e-8, 0.01   # torch.optim.AdamW's defaults
+
+
+def mlp_with_g(g: type) -> dict:
+    """The MLP x -> column (f) -> GELU -> row -> g, with the g given, on 4 ranks as tp=4 and as two groups of
+    tp=2, against one process. Prints the loss and each gradient as a multiple of one process's (the best
+    multiple, and whether it matches to round-off), then the
+    loss of DEMO_STEPS steps of training with AdamW and with SGD. Returns the numbers printed."""
+    results = on_ranks(_mlp_with_g_on_rank, WORLD, g)
+    x, target, w_up, w_down = _demo_data()
+    ref = _demo_one_process(x, target, w_up, w_down)
+    table = {"one process": {"loss": ref["loss"], "curves": ref["curves"]}}
+    print(f"the MLP with g = {getattr(g, '__name__', g)} on tp ranks, against one process "
+          "(each gradient as a multiple of one process's; '?' if no multiple matches it)")
+    print(f"{'':>6}{'loss':>12}{'x.grad':>12}{'up.grad':>12}{'down.grad':>12}")
+    print(f"{'one':>6}{ref['loss']:>12.6f}")
+    for index, tp in sorted(enumerate(TP_SIZES), key=lambda pair: pair[1]):
+        ranks = [r[index] for r in results[:tp]]                # the first tp group: ranks 0 .. tp-1
+        got = {"x_grad": ranks[0]["x_grad"],                    # summed over the ranks: the same on each
+               "up_grad": torch.cat([r["up_grad"] for r in ranks], 0),     # the shards, put back together
+               "down_grad": torch.cat([r["down_grad"] for r in ranks], 1)}
+        factors = {key: _factor(got[key], ref[key]) for key in got}
+        table[f"tp={tp}"] = {"loss": ranks[0]["loss"], "factors": factors, "curves": ranks[0]["curves"]}
+        shown = [f"{k:.3f} x" + ("" if exact else " ?") for k, exact in factors.values()]
+        print(f"{'tp=' + str(tp):>6}{ranks[0]['loss']:>12.6f}" + "".join(f"{text:>12}" for text in shown))
+    print(f"training loss, steps 0 to {DEMO_STEPS - 1} (the same data every step), and the largest difference "
+          "from one process's:")
+    for name in DEMO_OPTIMIZERS:
+        for who, row in table.items():
+            curve = " ".join(f"{value:.4f}" for value in row["curves"][name])
+            apart = max(abs(a - b) for a, b in zip(row["curves"][name], ref["curves"][name]))
+            print(f"  {name:<6} {who:<12} {curve}   {apart:.1e}")
+    return table
+
+
+def _factor(got: torch.Tensor, want: torch.Tensor) -> tuple[float, bool]:
+    """(k, exact): the k that makes k x want closest to got (least squares), and whether got = k x want to
+    round-off."""
+    got, want = got.double(), want.double()
+    k = (got * want).sum().item() / (want * want).sum().item()
+    return k, close_enough(got, k * want, FP32, n=ROUNDINGS)
+
+
+def _demo_data() -> tuple[torch.Tensor, ...]:
+    x = rank_tensor(1, (DEMO_TOKENS, DEMO_HIDDEN), FP32)
+    target = rank_tensor(3, (DEMO_TOKENS, DEMO_HIDDEN), FP32)
+    return x, target, _weight(DEMO_FFN, DEMO_HIDDEN, 0, 0), _weight(DEMO_HIDDEN, DEMO_FFN, 0, 1)
+
+
+def _demo_loss(x, target, up, down, leave: Callable) -> torch.Tensor:
+    """Mean squared error of leave(down gelu(up x)): `leave` sums the ranks' partial outputs (g)."""
+    return ((leave(F.linear(F.gelu(F.linear(x, up)), down)) - target) ** 2).mean()
+
+
+def _demo_curves(x, target, weights: list[torch.Tensor], leave: Callable) -> dict:
+    """The loss at each of DEMO_STEPS steps on the same batch, for each optimizer of DEMO_OPTIMIZERS."""
+    curves = {}
+    for name, lr in DEMO_OPTIMIZERS.items():
+        params = [w.detach().clone().requires_grad_() for w in weights]
+        moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in params]
+        losses = []
+        for step in range(1, DEMO_STEPS + 1):
+            loss = _demo_loss(x, target, *params, leave)
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for w, grad, (m, v) in zip(params, grads, moments):
+                    if name == "SGD":
+                        w -= lr * grad
+                    else:
+                        _adamw_step(w, grad, m, v, lr, step)
+            losses.append(loss.item())
+        curves[name] = losses
+    return curves
+
+
+def _adamw_step(w, grad, m, v, lr: float, step: int) -> None:
+    """AdamW written out (Loshchilov & Hutter 2019), in place: w -= lr (m_hat / (sqrt(v_hat) + eps) + decay w),
+    m and v the running means of the gradient and of its square, m_hat and v_hat corrected for their zero start.
+    (torch.optim's first step imports torch._dynamo, most of a second on every rank.)"""
+    beta1, beta2 = ADAMW_BETAS
+    m.lerp_(grad, 1 - beta1)
+    v.lerp_(grad * grad, 1 - beta2)
+    m_hat, v_hat = m / (1 - beta1 ** step), v / (1 - beta2 ** step)
+    w -= lr * (m_hat / (v_hat.sqrt() + ADAMW_EPS) + ADAMW_DECAY * w)
+
+
+def _demo_one_process(x, target, w_up, w_down) -> dict:
+    x = x.clone().requires_grad_()
+    up, down = w_up.clone().requires_grad_(), w_down.clone().requires_grad_()
+    loss = _demo_loss(x, target, up, down, lambda y: y)
+    loss.backward()
+    return {"loss": loss.item(), "x_grad": x.grad, "up_grad": up.grad, "down_grad": down.grad,
+            "curves": _demo_curves(x.detach(), target, [w_up, w_down], lambda y: y)}
+
+
+def _mlp_with_g_on_rank(g: type) -> list:
+    rank, out = dist.get_rank(), []
+    x, target, w_up, w_down = _demo_data()
+    for tp, group in _groups():
+        i = rank % tp
+        shards = [_shard_rows(w_up, i, tp), _shard_last(w_down, i, tp)]   # column's rows, row's columns
+        up, down = (w.clone().requires_grad_() for w in shards)
+        x_in = x.clone().requires_grad_()
+        loss = _demo_loss(x_in, target, up, down, lambda y: g.apply(y, group))
+        loss.backward()
+        dist.all_reduce(x_in.grad, group=group)     # what f does in backward: add the ranks' terms of dL/dx
+        out.append({"loss": loss.item(), "x_grad": x_in.grad, "up_grad": up.grad, "down_grad": down.grad,
+                    "curves": _demo_curves(x, target, shards, lambda y: g.apply(y, group))})
     return out

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from picotron_course.checks_tp import (check_column_parallel, check_copy_to_tp, check_reduce_from_tp,
-                                       check_row_parallel, check_tp_mlp, check_vocab_parallel_cross_entropy,
+from picotron_course.checks_tp import (TP_SIZES, check_column_parallel, check_copy_to_tp, check_gather_from_sp,
+                                       check_reduce_from_tp, check_reduce_scatter_to_sp, check_row_parallel,
+                                       check_sp_mlp, check_tp_mlp, check_vocab_parallel_cross_entropy, mlp_with_g,
                                        recorded_collectives)
 from picotron.launch import run
 
@@ -309,6 +310,23 @@ class ColumnPlainTensor(RefColumn):
         self.weight = torch.chunk(linear.weight, size, dim=0)[rank]  # a view, not a Parameter
 
 
+class ColumnViewShard(RefColumn):
+    def __init__(self, linear, group):
+        nn.Module.__init__(self)
+        self.group = group
+        rank, size = _rank_and_size(group)
+        n = linear.out_features // size
+        self.weight = nn.Parameter(linear.weight.detach()[rank * n:(rank + 1) * n])  # a view: W stays whole
+
+
+class RowViewShard(RefRow):
+    def __init__(self, linear, group):
+        nn.Module.__init__(self)
+        self.group = group
+        rank, size = _rank_and_size(group)
+        self.weight = nn.Parameter(torch.chunk(linear.weight.detach(), size, dim=1)[rank])  # a strided view of W
+
+
 class RowTakesRows(RefRow):
     def __init__(self, linear, group):
         nn.Module.__init__(self)
@@ -498,6 +516,8 @@ WRONG_ANSWERS = [
     (check_column_parallel, (ColumnWithReduce,), "expected no communication"),
     (check_column_parallel, (ColumnKeepsLinear,), "keep only the shard"),
     (check_column_parallel, (ColumnPlainTensor,), "not an nn.Parameter"),
+    (check_column_parallel, (ColumnViewShard,), "a view into the memory of the whole weight"),
+    (check_row_parallel, (RowViewShard,), "a view into the memory of the whole weight"),
     (check_row_parallel, (RowTakesRows,), "the other layer's shard"),
     (check_row_parallel, (RowNoReduce,), "made no collective; leave through g"),
     (check_row_parallel, (RowWithCopy,), "made no collective; leave through g"),
@@ -567,3 +587,260 @@ def test_recorder_counts_each_call_once_with_its_group():
                          ("all_gather_into_tensor", 12, 48, "", 4), ("all_gather", 3, 12, "", 4)]
     assert [c[0] for c in calls[6:]] == ["all_gather_object"]
     assert restored
+
+
+# ---- stretch: sequence parallelism -----------------------------------------------------------------
+def _gather_seq(x, group):
+    """(b, s/t, h) on every rank -> (b, s, h), rank order, through all_gather_into_tensor (joins along dim 0)."""
+    size = dist.get_world_size(group)
+    first = x.movedim(1, 0).contiguous()                                # (s/t, b, h)
+    whole = first.new_empty(size * first.shape[0], *first.shape[1:])
+    dist.all_gather_into_tensor(whole, first, group=group)
+    return whole.movedim(0, 1).contiguous()
+
+
+def _scatter_seq(x, group):
+    """(b, s, h) partial sums -> (b, s/t, h): this rank's tokens of their sum, through reduce_scatter_tensor."""
+    size = dist.get_world_size(group)
+    first = x.movedim(1, 0).contiguous()                                # (s, b, h)
+    mine = first.new_empty(first.shape[0] // size, *first.shape[1:])
+    dist.reduce_scatter_tensor(mine, first, group=group)
+    return mine.movedim(0, 1).contiguous()
+
+
+class RefGather(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_seq(grad, ctx.group), None
+
+
+class RefScatter(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class RefGatherLists(RefGather):
+    """The list versions, all_gather and reduce_scatter, as the solution notebook's hints suggest."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        pieces = [torch.empty_like(x.contiguous()) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), 1)]
+        mine = torch.empty_like(pieces[0])
+        dist.reduce_scatter(mine, pieces, group=ctx.group)
+        return mine, None
+
+
+class RefSPMLP(nn.Module):
+    gather, scatter = RefGather, RefScatter
+
+    def __init__(self, up, down, group):
+        super().__init__()
+        self.group = group
+        rank, size = _rank_and_size(group)
+        self.up_weight = nn.Parameter(torch.chunk(up.weight.detach(), size, 0)[rank].clone())
+        self.down_weight = nn.Parameter(torch.chunk(down.weight.detach(), size, 1)[rank].contiguous())
+
+    def forward(self, x):
+        h = F.gelu(self.gather.apply(x, self.group) @ self.up_weight.T)
+        return self.scatter.apply(h @ self.down_weight.T, self.group)
+
+
+SP_CORRECT = [(check_gather_from_sp, (RefGather,)), (check_gather_from_sp, (RefGatherLists,)),
+              (check_reduce_scatter_to_sp, (RefScatter,)), (check_sp_mlp, (RefSPMLP,))]
+
+
+@pytest.mark.parametrize("check, answers", SP_CORRECT, ids=["gather", "gather_lists", "scatter", "sp_mlp"])
+def test_correct_stretch_answer_passes(check, answers, capsys):
+    check(*answers)
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and " ok" in out
+
+
+class GatherKeepsOwnTerm(RefGather):
+    @staticmethod
+    def backward(ctx, grad):
+        rank, size = _rank_and_size(ctx.group)
+        return grad.chunk(size, 1)[rank].contiguous(), None   # its own term of its tokens, never summed
+
+
+class GatherAllReducesBackward(RefGather):
+    """The right numbers by an all-reduce and a slice: twice the bytes of a reduce-scatter."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, size = _rank_and_size(ctx.group)
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total.chunk(size, 1)[rank].contiguous(), None
+
+
+class GatherAlongBatch(RefGather):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, 0)                            # joined along the batch, not the sequence
+
+
+class GatherWholeWorld(RefGather):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, None)                            # forgot group=: all 4 ranks
+
+
+class GatherSumsTwice(RefGather):
+    """f's all-reduce kept in backward, then the reduce-scatter: the input gradient summed twice."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return _scatter_seq(grad, ctx.group), None
+
+
+class ScatterByAllReduce(RefScatter):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        rank, size = _rank_and_size(group)
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.chunk(size, 1)[rank].contiguous()
+
+
+class ScatterMean(RefScatter):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _scatter_seq(x, group) / dist.get_world_size(group)
+
+
+class ScatterZeroPadsBackward(RefScatter):
+    """Backward puts this rank's gradient at its tokens and zeros elsewhere: no gather."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, size = _rank_and_size(ctx.group)
+        whole = torch.zeros(grad.shape[0], grad.shape[1] * size, *grad.shape[2:])
+        whole[:, rank * grad.shape[1]:(rank + 1) * grad.shape[1]] = grad
+        return whole, None
+
+
+class ScatterBackwardSums(RefScatter):
+    """Backward reduce-scatters again (the gather's backward, by symmetry gone wrong)."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = _gather_seq(grad, ctx.group).contiguous()
+        dist.all_reduce(whole, group=ctx.group)
+        return whole, None
+
+
+class SPMLPWithF(RefSPMLP):
+    def forward(self, x):
+        whole = RefCopy.apply(self.gather.apply(x, self.group), self.group)   # f on top of the all-gather
+        return self.scatter.apply(F.gelu(whole @ self.up_weight.T) @ self.down_weight.T, self.group)
+
+
+class SPMLPPlainTP(RefSPMLP):
+    def forward(self, x):
+        h = F.gelu(RefCopy.apply(x, self.group) @ self.up_weight.T)            # f and g on this rank's tokens only
+        return RefReduce.apply(h @ self.down_weight.T, self.group)
+
+
+class SPMLPKeepsLinears(RefSPMLP):
+    def __init__(self, up, down, group):
+        super().__init__(up, down, group)
+        self.up, self.down = up, down
+
+
+class SPMLPViewShards(RefSPMLP):
+    def __init__(self, up, down, group):
+        super().__init__(up, down, group)
+        rank, size = _rank_and_size(group)
+        self.up_weight = nn.Parameter(torch.chunk(up.weight.detach(), size, 0)[rank])   # a view of the whole W
+
+
+class SPMLPSwapsShards(RefSPMLP):
+    def __init__(self, up, down, group):
+        super().__init__(up, down, group)
+        rank, size = _rank_and_size(group)
+        n = up.in_features // size
+        self.up_weight = nn.Parameter(up.weight.detach()[:, rank * n:(rank + 1) * n].clone())  # columns, not rows
+
+
+CourseGather = type("GatherFromSP", (RefGather,), {"__module__": PACKAGE})   # named, never imported
+
+SP_WRONG = [
+    (check_gather_from_sp, (GatherKeepsOwnTerm,), "the backward .* made none; expected one reduce-scatter"),
+    (check_gather_from_sp, (GatherAllReducesBackward,), "An all-reduce and then a slice"),
+    (check_gather_from_sp, (GatherAlongBatch,), r"join the ranks' pieces along dim 1 .* expected shape \(2, 8, 3\)"),
+    (check_gather_from_sp, (GatherWholeWorld,), "over 4 ranks, not the 2 of the tp group"),
+    (check_gather_from_sp, (GatherSumsTwice,), "expected one reduce-scatter.* sums what the reduce-scatter sums again"),
+    (check_gather_from_sp, (CourseGather,), "the course's answer"),
+    (check_reduce_scatter_to_sp, (ScatterByAllReduce,), "An all-reduce and then a slice"),
+    (check_reduce_scatter_to_sp, (ScatterMean,), "it is the mean over the ranks"),
+    (check_reduce_scatter_to_sp, (ScatterZeroPadsBackward,), "the backward .* made none; expected one all-gather"),
+    (check_reduce_scatter_to_sp, (ScatterBackwardSums,), "the backward .* expected one all-gather"),
+    (check_reduce_scatter_to_sp, (RefGather,), "the forward .* made all_gather_into_tensor .* expected one "
+                                               "reduce-scatter"),
+    (check_sp_mlp, (SPMLPWithF,), "the MLP's backward .* all_reduce .* sums what the reduce-scatter sums again"),
+    (check_sp_mlp, (SPMLPPlainTP,), "the MLP's forward .* expected one all-gather and one reduce-scatter.* take "
+                                    "the place of f's and g's all-reduces"),
+    (check_sp_mlp, (SPMLPKeepsLinears,), "keep only up_weight and down_weight"),
+    (check_sp_mlp, (SPMLPViewShards,), "up_weight is a view into the memory of the whole weight"),
+    (check_sp_mlp, (SPMLPSwapsShards,), "up_weight has shape .* That is the other layer's shard"),
+]
+
+
+@pytest.mark.parametrize("check, answers, says", SP_WRONG,
+                         ids=[f"{c.__name__.removeprefix('check_')}-{a[0].__name__}" for c, a, _ in SP_WRONG])
+def test_wrong_stretch_answer_fails(check, answers, says, capsys):
+    with pytest.raises(AssertionError, match=says):
+        check(*answers)
+    if answers[0] is not CourseGather:  # refused before running: no table
+        assert "FAIL" in capsys.readouterr().out
+
+
+# ---- predict, then run: the harness shows what a g does to the gradients ----------------------------
+class ReduceBothWays(RefReduce):
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def test_mlp_with_g_shows_the_gradients_t_times_too_large(capsys):
+    right, both = mlp_with_g(RefReduce), mlp_with_g(ReduceBothWays)
+    one = right["one process"]
+    for tp in TP_SIZES:
+        assert right[f"tp={tp}"]["loss"] == pytest.approx(one["loss"], rel=1e-6)
+        assert both[f"tp={tp}"]["loss"] == pytest.approx(one["loss"], rel=1e-6)     # the forward is right
+        for (k_right, exact_right), (k_both, exact_both) in zip(right[f"tp={tp}"]["factors"].values(),
+                                                                  both[f"tp={tp}"]["factors"].values()):
+            assert exact_right and k_right == pytest.approx(1, abs=1e-5)
+            assert exact_both and k_both == pytest.approx(tp, rel=1e-5)            # every gradient t x
+        assert both[f"tp={tp}"]["curves"]["AdamW"] == pytest.approx(one["curves"]["AdamW"], abs=1e-5)
+        assert both[f"tp={tp}"]["curves"]["SGD"] != pytest.approx(one["curves"]["SGD"], abs=1e-2)
+    assert "4.000 x" in capsys.readouterr().out
