@@ -1,7 +1,7 @@
 """bf16 mixed precision in the trainer: bf16 matmuls, fp32 master weights and optimizer state, on every axis.
 
 The axes' arithmetic is proven in fp32 at 1e-5 (test_train.py); here N ranks in bf16 train like one
-process in bf16 within one bf16 rounding (picotron.tolerance.BF16_TRAINING_RTOL), and the
+process in bf16, their loss curves within one bf16 rounding (picotron.tolerance.BF16_TRAINING_RTOL), and the
 collectives carry the dtypes docs/design.md ("Mixed precision in the trainer") says they do.
 """
 
@@ -41,9 +41,10 @@ def train_config(precision: str = "bf16", *, accum: int = 1, **changes) -> Train
 
 
 def worst_gap(curve: dict, reference: dict) -> float:
-    """The largest |difference| / (u_bf16 |reference|) over the steps' losses and gradient norms: below 1 passes."""
-    return max(abs(a - b) / (BF16_TRAINING_RTOL * abs(b)) for key in ("loss", "grad_norm")
-               for a, b in zip(curve[key], reference[key]))
+    """The largest |difference| / (u_bf16 |reference|) over every step's loss and the first step's gradient norm
+    (from equal weights: rounding alone; later norms are not claimed, picotron.tolerance says why): below 1 passes."""
+    pairs = list(zip(curve["loss"], reference["loss"])) + [(curve["grad_norm"][0], reference["grad_norm"][0])]
+    return max(abs(a - b) / (BF16_TRAINING_RTOL * abs(b)) for a, b in pairs)
 
 
 def test_auto_precision_is_bf16_on_a_gpu_and_fp32_on_a_cpu():
