@@ -640,6 +640,13 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         config = parse_args(argv)
         validate(config)
+        torchrun_world = int(os.environ.get("WORLD_SIZE", "0"))   # set by torchrun for every process it starts
+        if torchrun_world and torchrun_world != config.parallel.world_size and not dist.is_initialized():
+            p = config.parallel
+            raise ValueError(f"torchrun started {torchrun_world} processes but dp*pp*cp*tp = {p.dp}*{p.pp}*{p.cp}*"
+                             f"{p.tp} = {p.world_size}; set the sizes to multiply to {torchrun_world} (usually "
+                             f"--dp, e.g. --dp {torchrun_world // (p.pp * p.cp * p.tp) or 1}), or start "
+                             f"{p.world_size} processes")
         # Only global rank 0 writes the log (under torchrun RANK is set; otherwise this process starts the ranks).
         check_outputs(config.train, log_file=int(os.environ.get("RANK", "0")) == 0)
     except (ValueError, NotImplementedError) as error:

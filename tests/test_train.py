@@ -431,6 +431,17 @@ def test_unwritable_outputs_fail_before_step_0(tmp_path, capsys, flag, kind):
         train(Config(train=TrainConfig(**{field: path})))
 
 
+def test_a_world_size_torchrun_did_not_start_is_one_line_naming_dp(monkeypatch, capsys):
+    """Under torchrun every process sees WORLD_SIZE: a config for another world stops before any group forms."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(SystemExit) as stop:
+        main(["--dp", "4", "--tp", "2", "--pp", "2", "--steps", "1"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "torchrun started 8 processes but dp*pp*cp*tp = 4*2*1*2 = 16" in err and "--dp 2" in err
+    assert "Traceback" not in err
+
+
 def test_bad_input_is_one_line_without_a_traceback(tmp_path):
     """Every bad input the table above covers stops `python -m picotron.train` the same way: status 2, one line."""
     (tmp_path / "bad.json").write_text('{"parallel": {"dp": 2,}}')
