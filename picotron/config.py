@@ -51,6 +51,8 @@ class ModelConfig:
     recompute: str = "none"               # activation recomputation: "none", "selective" or "full"
     norm_impl: str = "torch"              # RMSNorm computed by "torch" ops or by picotron's "triton" kernels (ch. 09)
     fp8: str = "none"                     # "none", or the Linears' matmuls in fp8 with a recipe of picotron.fp8 (ch. 10)
+    loss_impl: str = "torch"              # "torch": the LM head's whole logits, then F.cross_entropy; "chunked": head and
+    loss_chunk_tokens: int = 1024         #   loss fused, the logits made and used this many tokens at a time (ch. 09)
     # Mixture of experts (picotron.model.MoE, chapter 07): 0 keeps the dense SwiGLU MLP in every layer.
     num_experts: int = 0                  # > 0: MoE layers with this many SwiGLU experts of intermediate_size
     experts_per_token: int = 2            # top-k: experts each token is sent to
@@ -103,6 +105,7 @@ class ModelConfig:
 ATTENTION_CHOICES = ("sdpa", "eager")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 NORM_IMPLS = ("torch", "triton")
+LOSS_IMPLS = ("torch", "chunked")
 PRECISIONS = ("auto", "fp32", "bf16")     # TrainConfig.precision
 FP8_RECIPES = ("none", "tensorwise", "delayed", "rowwise", "blockwise")   # picotron.fp8.RECIPES, and "none"
 
@@ -117,6 +120,9 @@ def check_model_choices(model: ModelConfig) -> None:
     if model.norm_impl not in NORM_IMPLS:
         raise ValueError(f"norm_impl={model.norm_impl!r}; choose one of {NORM_IMPLS} (triton: picotron.kernels, "
                          f"interpreted on a CPU)")
+    if model.loss_impl not in LOSS_IMPLS:
+        raise ValueError(f"loss_impl={model.loss_impl!r}; choose one of {LOSS_IMPLS} (chunked: the LM head and the "
+                         f"loss computed {model.loss_chunk_tokens} tokens at a time, never all logits at once)")
     if model.fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8={model.fp8!r}; choose one of {FP8_RECIPES} (chapter 10: how the fp8 scales are "
                          f"chosen)")
@@ -309,6 +315,7 @@ AT_LEAST: dict[str, tuple[float, str]] = {
     "vocab_size": (1, ""), "hidden_size": (1, ""), "intermediate_size": (1, ""), "num_layers": (1, ""),
     "num_attention_heads": (1, ""), "num_key_value_heads": (1, ""), "head_dim": (1, "or None: hidden / heads"),
     "max_seq_len": (1, ""), "num_experts": (0, "0: the dense MLP in every layer"), "init_std": (0, ""),
+    "loss_chunk_tokens": (1, "tokens whose logits exist at once with loss_impl='chunked'"),
     # ParallelConfig: a size of 1 leaves the axis unsplit
     "dp": (1, "1: no data parallelism"), "pp": (1, "1: no pipeline"), "cp": (1, "1: no context parallelism"),
     "tp": (1, "1: no tensor parallelism"), "ep": (1, "1: no expert parallelism"),

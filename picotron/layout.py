@@ -96,6 +96,14 @@ def check_combination(model: ModelConfig, p: ParallelConfig) -> None:
     if model.fp8 != "none" and p.tp > 1:
         raise NotImplementedError(f"fp8={model.fp8!r} with tp={p.tp} is not written: the tensor-parallel Linears "
                                   f"compute their own matmuls, which picotron.fp8 does not replace; use tp=1 with fp8")
+    if model.loss_impl == "chunked" and p.tp > 1:
+        raise NotImplementedError(f"loss_impl='chunked' with tp={p.tp} is not written: under tp each rank already "
+                                  f"holds only vocab/tp of the logits (the vocabulary-parallel loss), and a chunked "
+                                  f"loss would need that loss's max and sum all-reduced chunk by chunk; use "
+                                  f"loss_impl='torch' with tp > 1")
+    if model.loss_impl == "chunked" and p.pp > 1:
+        raise NotImplementedError(f"loss_impl='chunked' with pp={p.pp} is not written: the pipeline's last stage "
+                                  f"hands its logits to the executor's loss function; use loss_impl='torch' with pp")
     if p.ep > 1 and p.zero_stage:
         raise NotImplementedError(f"ep={p.ep} with zero_stage={p.zero_stage} is not written: ZeRO's flat buffers "
                                   f"average every gradient over all dp ranks, but an expert's gradient is averaged "

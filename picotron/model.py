@@ -400,6 +400,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class LMHead(nn.Linear):
+    """The LM head: logits = x W^T. Given the targets too, it returns the loss instead, computed chunk by chunk
+    with the logits never whole (picotron.kernels.linear_cross_entropy, chapter 09). The loss is a call of this
+    module, so hooks on the head (ZeRO-3's gathers) run around it as around the logits."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, *, chunk_tokens: int = 1024):
+        if targets is None:
+            return super().forward(x)
+        from picotron.kernels.linear_cross_entropy import linear_cross_entropy
+        return linear_cross_entropy(x, self.weight, targets, chunk_size=chunk_tokens)
+
+
 class Llama(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head (weight shared with the embedding when tied)."""
 
@@ -411,7 +423,7 @@ class Llama(nn.Module):
         self.rope = Rotary(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.init_weights()   # also ties lm_head.weight to embed.weight when configured
         if config.fp8 != "none":   # chapter 10: the Linears' matmuls in fp8 (same parameters, same names)
             convert_to_float8(self, config.fp8)
@@ -444,8 +456,12 @@ class Llama(nn.Module):
         nn.init.ones_(self.norm.weight)
         self.rope.reset_tables()
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids (batch, seq) -> logits (batch, seq, vocab). position_ids: (seq,) or (batch, seq)."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (batch, seq) -> logits (batch, seq, vocab). position_ids: (seq,) or (batch, seq).
+
+        With targets (batch, seq): the mean cross-entropy loss instead, the LM head and the loss fused chunk by
+        chunk (config.loss_impl == "chunked": the whole logits never exist)."""
         seq = input_ids.shape[1]
         if position_ids is None:
             if seq > self.config.max_seq_len:
@@ -460,6 +476,8 @@ class Llama(nn.Module):
         for layer in self.layers:
             # Full recomputation: only the layer's input stays saved; backward runs the layer again.
             x = recompute(layer, x, cos, sin) if full_recompute else layer(x, cos, sin)
+        if targets is not None:
+            return self.lm_head(self.norm(x), targets, chunk_tokens=self.config.loss_chunk_tokens)  # the loss
         return self.lm_head(self.norm(x))                     # (batch, seq, vocab)
 
     def num_params(self) -> int:

@@ -75,7 +75,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from picotron import checkpoint, comm, launch
-from picotron.config import FP8_RECIPES, PRECISIONS, PRESETS, Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.config import FP8_RECIPES, LOSS_IMPLS, PRECISIONS, PRESETS, Config, ModelConfig, ParallelConfig, TrainConfig
 from picotron.costs import flops_per_token, peak_flops, training_flops_per_token
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.layout import validate
@@ -298,8 +298,11 @@ class Trainer:
             last = micro_step == t.grad_accum_steps - 1
             with self.grad_sync.accumulating() if not last else nullcontext():
                 with self.autocast():
-                    logits = self.model(batch.input_ids, batch.position_ids)   # (batch, seq / cp, vocab / tp)
-                    loss = self.loss_fn(logits, batch.targets) / t.grad_accum_steps
+                    if self.config.model.loss_impl == "chunked":   # head and loss fused: no whole logits (ch. 09)
+                        loss = self.model(batch.input_ids, batch.position_ids, batch.targets) / t.grad_accum_steps
+                    else:
+                        logits = self.model(batch.input_ids, batch.position_ids)   # (batch, seq / cp, vocab / tp)
+                        loss = self.loss_fn(logits, batch.targets) / t.grad_accum_steps
                 # An MoE model adds its load-balancing loss (0 for a dense one), computed on this rank's tokens
                 # as Megatron-LM does; the log shows the language-model loss alone.
                 (loss + self.model.aux_loss() / t.grad_accum_steps).backward()
@@ -590,6 +593,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="the Linears' matmuls in fp8 with this scaling recipe (chapter 10; emulated on a CPU)")
     parser.add_argument("--norm-impl", dest="norm_impl", choices=["torch", "triton"],
                         help="RMSNorm by torch ops or by picotron's Triton kernels (chapter 09; interpreted on a CPU)")
+    parser.add_argument("--loss-impl", dest="loss_impl", choices=list(LOSS_IMPLS),
+                        help="chunked: the LM head and the loss fused, --loss-chunk-tokens tokens' logits at a time "
+                             "(chapter 09; the whole logits never exist)")
+    parser.add_argument("--loss-chunk-tokens", dest="loss_chunk_tokens", type=int,
+                        help="tokens whose logits exist at once with --loss-impl chunked (default 1024)")
     parser.add_argument("--dataset", help="'arithmetic' (built in) or a .txt/.jsonl file or folder")
     parser.add_argument("--tokenizer", help="a Hugging Face tokenizer.json: the corpus is tokenized once into a "
                                             "memory-mapped file of --cache-dir (default: bytes are the tokens)")
@@ -619,7 +627,7 @@ def parse_args(argv: list[str] | None) -> Config:
     config = Config.from_json(args.config) if args.config else Config(parallel=ParallelConfig(dp=4))
     if args.preset:
         config.model = ModelConfig.preset(args.preset)
-    for name in ("recompute", "attention", "norm_impl", "fp8"):
+    for name in ("recompute", "attention", "norm_impl", "fp8", "loss_impl", "loss_chunk_tokens"):
         if getattr(args, name) is not None:
             config.model = dataclasses.replace(config.model, **{name: getattr(args, name)})
     for axis in ("dp", "pp", "cp", "tp", "ep", "zero_stage", "sequence_parallel", "cp_mode", "pp_schedule",
