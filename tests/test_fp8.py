@@ -21,7 +21,7 @@ from picotron.fp8 import (E4M3, E5M2, FORMATS, RECIPES, Float8Linear, Float8Reci
                           quantization_error_bound, recipe_of, round_mantissa, round_to, scaled_mm, scaled_mm_runs,
                           tile_amax)
 from picotron.mixed_precision import LowPrecisionLinear
-from picotron.model import Llama, loss_fn
+from picotron.model import Llama, LMHead, loss_fn
 
 FORWARD_TOL = 0.05        # relative Frobenius error against bf16, both operands e4m3
 E5M2_GRAD_TOL = 0.08      # with an e5m2 operand
@@ -426,7 +426,7 @@ def test_convert_swaps_the_right_layers_and_keeps_the_state_dict():
     assert sorted(names) == sorted(f"layers.{i}.{part}.{p}" for i in range(2) for part, p in
                                    [("attn", p) if p.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else ("mlp", p)
                                     for p in projections])
-    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.embed.weight   # still tied
+    assert type(model.lm_head) is LMHead and model.lm_head.weight is model.embed.weight   # still tied
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert all(a is b for a, b in zip(model.parameters(), params))       # shared: an old optimizer still works
