@@ -241,14 +241,16 @@ def test_triton_norms_by_config_compute_what_torch_norms_compute():
     """norm_impl="triton" builds picotron.kernels.rmsnorm.TritonRMSNorm (the Triton interpreter on a CPU): the same
     state dict, loss and gradients as the torch RMSNorm."""
     pytest.importorskip("triton")
+    from picotron.kernels.runtime import kernel_device
+    device = kernel_device()                     # the interpreter's CPU, or the GPU the kernels are compiled for
     config = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
                          num_key_value_heads=2)
     torch.manual_seed(0)
-    plain = Llama(config)
-    kernels = Llama(dataclasses.replace(config, norm_impl="triton"))
+    plain = Llama(config).to(device)
+    kernels = Llama(dataclasses.replace(config, norm_impl="triton")).to(device)
     kernels.load_state_dict(plain.state_dict())
     assert type(kernels.norm).__name__ == "TritonRMSNorm" and type(plain.norm).__name__ == "RMSNorm"
-    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     losses = [loss_fn(m(ids[:, :-1]), ids[:, 1:]) for m in (plain, kernels)]
     for loss in losses:
         loss.backward()
