@@ -7,6 +7,7 @@ compiles to sm_90 machine code without one, which catches what only the compiler
 """
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -388,6 +389,28 @@ def test_flash_attention_forward_and_backward(case, causal):
         tolerance.assert_close(mine, theirs, n=2 * forward + 2, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=["square", "gqa_ragged", "d24_small_blocks", "seq_k_longer"])
+def test_flash_attention_forward_v2_equals_v1_and_sdpa(case, causal):
+    """v2 reads its tiles through tensor descriptors (TMA on Hopper); the arithmetic is v1's, in the same order."""
+    batch, heads, kv_heads, seq_q, seq_k, head_dim, blocks = case
+    torch.manual_seed(0)
+    q = torch.randn(batch, heads, seq_q, head_dim, device=DEVICE)
+    k, v = (torch.randn(batch, kv_heads, seq_k, head_dim, device=DEVICE) for _ in range(2))
+    out, lse = attention.attention_forward_v2(q, k, v, causal, blocks=blocks)
+    tolerance.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+                           n=head_dim + 2 * seq_k)
+    out_v1, lse_v1 = attention.attention_forward_v1(q, k, v, causal, blocks=blocks)
+    tolerance.assert_close(out, out_v1, n=head_dim + 2 * seq_k)    # (equal in the interpreter: the same sums)
+    tolerance.assert_close(lse, lse_v1, n=head_dim + seq_k)
+
+
+def test_flash_attention_v2_refuses_rows_tma_cannot_read():
+    q = torch.randn(1, 2, 16, 6, device=DEVICE, dtype=torch.float16)    # 12-byte rows
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        attention.attention_forward_v2(q, q, q)
+
+
 def test_flash_attention_log_sum_exp_and_strided_inputs():
     torch.manual_seed(1)
     qkv = torch.randn(1, 48, 3, 2, 32, device=DEVICE)               # (batch, seq, q/k/v, heads, d): a fused projection
@@ -489,6 +512,7 @@ COMPILE_ALL = """
         block_m, block_n, warps, stages = attention._blocks(128, element_size=element_size)
         tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
         compile(attention.attention_forward_kernel_v1, typed, tiles, warps, stages)
+        compile(attention.attention_forward_kernel_v2, typed, tiles, warps, stages)
         block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=element_size)
         tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
         compile(attention.attention_backward_dkdv_kernel_v1, typed, tiles, warps, stages)
@@ -500,7 +524,26 @@ COMPILE_ALL = """
 def test_every_kernel_compiles_for_an_h100():
     done = _python(COMPILE_ALL, TRITON_DEFAULT_FP_FUSION="1")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 15
+    assert done.stdout.count("compiled") == 17
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine picotron.kernels compiles for that GPU")
+def test_compile_report_for_an_h100_shows_what_each_version_changed():
+    """python -m picotron.kernels.report: registers, spills, shared memory and instructions of every kernel
+    version compiled for sm_90. What the ladder claims must be there: FlashAttention's dots on Hopper's wgmma,
+    forward v2's tiles by TMA instead of loads into registers, and no kernel spilling registers."""
+    done = subprocess.run([sys.executable, "-m", "picotron.kernels.report", "--json"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = {r["name"]: r for r in json.loads(done.stdout)}
+    assert len(reports) == 13 and all(r["arch"] == 90 for r in reports.values())
+    assert all(r["local_bytes"] == 0 and r["shared_bytes"] <= 227 * 1024 for r in reports.values()), reports
+    v1, v2 = reports["attention_forward_kernel_v1"], reports["attention_forward_kernel_v2"]
+    assert v1["hgmma"] > 0 and v2["hgmma"] > 0 and v1["hmma"] == v2["hmma"] == 0
+    assert v1["tma_loads"] == 0 and v1["global_loads"] > 0
+    assert v2["tma_loads"] > 0 and v2["global_loads"] == 0 and v2["registers"] < v1["registers"]
+    assert reports["softmax_kernel_v1"]["hgmma"] == 0          # no matmul, no matrix instruction
 
 
 # ---- on a GPU: larger sizes, bf16, against torch's kernels -------------------------------------------

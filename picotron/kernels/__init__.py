@@ -14,9 +14,11 @@ docstring lists its versions and what each changes from the one before.
                     `softmax` picks v2 or v3
     rmsnorm.py      rmsnorm_forward_v1, rmsnorm_forward_v2, rmsnorm_backward_v1; `rmsnorm` (autograd), and
                     `TritonRMSNorm`, a drop-in for picotron.model.RMSNorm (same `weight`, `eps`, state dict)
-    attention.py    causal FlashAttention: attention_forward_v1, attention_backward_v1; `flash_attention`
+    attention.py    causal FlashAttention: attention_forward_v1, _v2 (TMA), attention_backward_v1; `flash_attention`
     flash_attention_torch.py  the same algorithm (FlashAttention-2) tile by tile in plain torch, no Triton:
                     `FlashAttention2`, an autograd.Function with a hand-written tiled backward
+    report.py       python -m picotron.kernels.report: each version compiled for an H100 without one (registers,
+                    spills, shared memory, wgmma / TMA / load instructions counted in the SASS)
     runtime.py      where the kernels run: the Triton interpreter on a CPU (set up there), compiled on a GPU
     gpu.py          what a GPU is made of (H100/H200 figures), the roofline, memory transactions
     timing.py       one timer for both machines: CUDA events on a GPU, a CPU clock otherwise

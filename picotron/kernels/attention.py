@@ -20,6 +20,12 @@ Versions (kernels `attention_forward_kernel_vN`, `attention_backward_dkdv_kernel
     forward v1   grid (query blocks, batch * heads); keys above the diagonal are skipped (causal: half
                  the work), only the diagonal blocks are masked. Writes O and the log-sum-exp
                  L = m + log l of every row (fp32), for backward.
+    forward v2   v1 with every tile moved through a tensor descriptor (tl.make_tensor_descriptor): on Hopper a
+                 load is one TMA instruction that copies the tile to shared memory asynchronously, so the
+                 pipeliner keeps num_stages K/V tiles in flight and no thread computes addresses or masks.
+                 Compiled for sm_90 (python -m picotron.kernels.report): 142 registers instead of 242, no
+                 loads into registers, 13 TMA loads, 129 KiB of shared memory for 3 stages. Rows must be
+                 16-byte aligned (TMA's rule).
     backward v1  FlashAttention-2's, two kernels, so that no two programs add into the same rows (no
                  atomics): dkdv, one block of keys per program, loops over the query blocks that see
                  it, recomputes P = exp(S - L) and accumulates dV = P^T dO, dK = dS^T Q * scale;
@@ -43,8 +49,8 @@ import triton.language as tl
 
 from picotron.kernels.runtime import INTERPRETED, check_device
 
-__all__ = ["attention_forward_kernel_v1", "attention_backward_dkdv_kernel_v1", "attention_backward_dq_kernel_v1",
-           "attention_forward_v1", "attention_backward_v1", "FlashAttentionFunction", "flash_attention",
+__all__ = ["attention_forward_kernel_v1", "attention_forward_kernel_v2", "attention_backward_dkdv_kernel_v1",
+           "attention_backward_dq_kernel_v1", "attention_forward_v1", "attention_forward_v2", "attention_backward_v1", "FlashAttentionFunction", "flash_attention",
            "attention_flops"]
 
 LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e))
@@ -121,6 +127,79 @@ def attention_forward_kernel_v1(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     tl.store(o_ptr + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=q_mask)
     # log-sum-exp of the row's scaled scores, natural log: L = (m + log2 l) * ln 2
+    lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
+    tl.store(lse_ptr + (batch * n_heads + head) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+
+
+# ---- forward v2: tiles through tensor descriptors (TMA on Hopper) -------------------------------
+@triton.jit
+def _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, lo, hi, qk_scale,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                      DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """v1's loop, the K and V tiles read through descriptors: no address arithmetic, no load masks (rows past
+    seq_k and columns past head_dim come back as zeros)."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        k = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        visible = offs_n[None, :] < seq_k                        # zero-padded keys past the end: not keys
+        if CAUSAL_MASK:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_forward_kernel_v2(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+                                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+                                batches, n_heads, kv_heads, group, seq_q, seq_k, head_dim, qk_scale,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    kv_head = head // group
+    # One descriptor per tensor: its 4-D shape and strides, and the tile a load or store moves. On Hopper a
+    # load is one TMA instruction that copies the tile into shared memory, asynchronously, so Triton's
+    # pipeliner can keep num_stages tiles of K and V in flight while the tensor cores work on another.
+    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[batches, n_heads, seq_q, head_dim],
+                                       strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[batches, kv_heads, seq_k, head_dim],
+                                       strides=[stride_kb, stride_kh, stride_kn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[batches, kv_heads, seq_k, head_dim],
+                                       strides=[stride_vb, stride_vh, stride_vn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    o_desc = tl.make_tensor_descriptor(o_ptr, shape=[batches, n_heads, seq_q, head_dim],
+                                       strides=[stride_ob, stride_oh, stride_om, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, 0,
+                                          tl.minimum(start_m, seq_k), qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32,
+                                          PRECISION)
+        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, start_m,
+                                          tl.minimum(start_m + BLOCK_M, seq_k), qk_scale, BLOCK_N, BLOCK_D, True,
+                                          DOT_FP32, PRECISION)
+    else:
+        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, 0, seq_k,
+                                          qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32, PRECISION)
+    out = acc / l_i[:, None]
+    o_desc.store([batch, head, start_m, 0], out.to(o_ptr.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
     lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
     tl.store(lse_ptr + (batch * n_heads + head) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
@@ -305,6 +384,45 @@ def attention_forward_v1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     attention_forward_kernel_v1[grid](
         q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         heads, group, seq_q, seq_k, head_dim, scale * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+        DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the TMA descriptors a kernel makes on the device (triton.set_allocator's contract)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _check_tma(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if (t.stride(-2) * t.element_size()) % 16 or t.data_ptr() % 16:
+            raise ValueError(f"attention_forward_v2 reads tiles with TMA, which needs 16-byte aligned rows: a row of "
+                             f"{t.shape[-1]} x {t.element_size()} bytes at stride {t.stride(-2)} is not; pad "
+                             f"head_dim or use attention_forward_v1")
+
+
+def attention_forward_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                         scale: float | None = None,
+                         blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As attention_forward_v1, with the tiles moved through tensor descriptors (TMA on Hopper) (v2)."""
+    group = _check_shapes(q, k, v)
+    q, k, v = _last_dim_contiguous(q, k, v)
+    _check_tma(q, k, v)
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
+    block_m, block_n, warps, stages = _blocks(head_dim, element_size=q.element_size())
+    if blocks is not None:
+        block_m, block_n = _checked_blocks(blocks)
+    if not INTERPRETED:
+        triton.set_allocator(_tma_scratch)
+    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    attention_forward_kernel_v2[grid](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        batch, heads, k.shape[1], group, seq_q, seq_k, head_dim, scale * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
     return out, lse
