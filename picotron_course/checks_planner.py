@@ -1,8 +1,8 @@
 """The checks of assignment 08: the memory and the step time of one 5D layout, and the best layout for a cluster.
 
 The learner prices a `Layout` (tp x pp x dp with ZeRO, sequence parallelism whenever tp > 1, a 1F1B
-pipeline, micro-batches of `micro_batch_size` sequences, recomputation "none" or "full"; no cp or ep)
-with the formulas of chapters 01-06, and the checks compare with what picotron knows:
+pipeline, micro-batches of `micro_batch_size` sequences, recomputation "none" or "full"; cp only in the
+stretch, no ep) with the formulas of chapters 01-06, and the checks compare with what picotron knows:
 
     check_params_on_first_stage(f)   exactly memory.parameters_on_rank(pp_rank=0): tied and untied models,
                                      even and uneven pipeline splits
@@ -13,12 +13,21 @@ with the formulas of chapters 01-06, and the checks compare with what picotron k
     check_step_time(f)               planner.estimate_plan without overlap, less the stage-to-stage sends
                                      (within 1%): compute, recomputation, tp on the critical path, the 1F1B
                                      bubble, the dp / ZeRO traffic at the bandwidth of the links it crosses
-    check_best_layout(f)             the layout returned fits (picotron's memory) and is as fast, by the
-                                     planner, as the fastest layout of the same space that fits (within 1%)
+    check_best_layout(f)             the layout returned fits (the first stage's estimate_memory within 90% of
+                                     the GPU, the rule the task states) and is as fast, by the planner, as the
+                                     fastest layout of the same space that fits (within 1%)
+    check_step_time_cp(f)            the stretch: check_step_time's reference on layouts with context
+                                     parallelism (cp 2 to 8, the K,V ring hidden or exposed, ZeRO over dp x cp)
 
 This assignment is about the planner, so its checks may use it (chapter 08 validates the planner itself
 against measurement and published runs); the learner's code may not: calling picotron's memory
-estimates or the planner from inside an answer fails the check.
+estimates or the planner from inside an answer fails the check. The step-time checks also refuse the byte
+counters and link rule chapter 08's `step_time` calls (tp_comm_bytes_per_layer, cp_comm_bytes_per_layer,
+zero_comm_bytes, ring_bytes, bubble_formula, simulate, ClusterSpec.bandwidth, group_link): copying that cell
+does not answer part 3, writing the counts does.
+
+`fastest_layout` and `planner_step_time` are the reference the checks use, given to the notebook for its
+"predict, then run" section, which needs an answer even before the learner has one.
 """
 
 from __future__ import annotations
@@ -36,16 +45,23 @@ from picotron.memory import (
     GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage, parameters_on_rank,
     state_bytes_on_rank)
 from picotron.memory_tracking import optimizer_state, tensor_bytes
-from picotron.planner import ClusterSpec, Plan, estimate_plan, search
+from picotron.parallel.context_parallel_costs import cp_comm_bytes_per_layer
+from picotron.parallel.pipeline_schedules import bubble_formula, simulate
+from picotron.parallel.tensor_parallel_costs import tp_comm_bytes_per_layer
+from picotron.parallel.zero import ring_bytes, zero_comm_bytes
+from picotron.planner import ClusterSpec, Plan, PlanEstimate, estimate_plan, group_link, search
 
-__all__ = ["Layout", "plan_of", "is_valid", "check_params_on_first_stage", "check_memory_per_gpu",
-           "check_step_time", "check_best_layout", "candidate_layouts", "MEMORY_CASES", "TIME_CASES",
-           "BEST_CASES"]
+__all__ = ["Layout", "plan_of", "is_valid", "layout_name", "check_params_on_first_stage", "check_memory_per_gpu",
+           "check_step_time", "check_best_layout", "check_step_time_cp", "candidate_layouts", "first_stage_fits",
+           "planner_step_time", "fastest_layout", "MEMORY_CASES", "TIME_CASES", "BEST_CASES", "CP_TIME_CASES"]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A 3D layout: tp x pp x dp GPUs, ZeRO over dp, sequence parallelism whenever tp > 1, 1F1B when pp > 1."""
+    """A 3D layout: tp x pp x dp GPUs, ZeRO over dp, sequence parallelism whenever tp > 1, 1F1B when pp > 1.
+
+    cp (the stretch) makes it 4D: tp x cp x pp x dp GPUs, zig-zag ring attention, ZeRO over dp x cp.
+    """
 
     tp: int = 1
     pp: int = 1
@@ -53,17 +69,31 @@ class Layout:
     zero_stage: int = 0
     micro_batch_size: int = 1
     recompute: str = "none"           # "none" or "full"
+    cp: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    def __repr__(self) -> str:         # cp only when it is used: parts 1-4 never set it
+        cp = f", cp={self.cp}" if self.cp != 1 else ""
+        return (f"Layout(tp={self.tp}, pp={self.pp}, dp={self.dp}, zero_stage={self.zero_stage}, "
+                f"micro_batch_size={self.micro_batch_size}, recompute={self.recompute!r}{cp})")
 
 
 def plan_of(layout: Layout, precision: str = "bf16-mixed") -> Plan:
     """The planner's Plan for a Layout."""
-    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp, zero_stage=layout.zero_stage,
+    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero_stage=layout.zero_stage,
                               sequence_parallel=layout.tp > 1)
     return Plan(parallel, layout.micro_batch_size, layout.recompute, precision)
+
+
+def layout_name(layout: Layout) -> str:
+    """A short name: "tp4 pp4 dp2 ZeRO-1, recompute full"."""
+    parts = [f"{a}{getattr(layout, a)}" for a in ("tp", "cp", "pp", "dp") if getattr(layout, a) > 1]
+    parts += [f"ZeRO-{layout.zero_stage}"] if layout.zero_stage else []
+    name = " ".join(parts) or "1 GPU"
+    return name + (f", recompute {layout.recompute}" if layout.recompute != "none" else "")
 
 
 def is_valid(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> bool:
@@ -89,6 +119,16 @@ ANSWERS = {estimate_memory.__code__: "picotron.memory.estimate_memory",
            state_bytes_on_rank.__code__: "picotron.memory.state_bytes_on_rank",
            activation_bytes_on_rank.__code__: "picotron.memory.activation_bytes_on_rank",
            estimate_plan.__code__: "picotron.planner.estimate_plan", search.__code__: "picotron.planner.search"}
+# ... and a step time must not call the counters chapter 08's `step_time` calls: the task is to write them.
+TIME_ANSWERS = {**ANSWERS,
+                tp_comm_bytes_per_layer.__code__: "picotron.parallel.tensor_parallel_costs.tp_comm_bytes_per_layer",
+                cp_comm_bytes_per_layer.__code__: "picotron.parallel.context_parallel_costs.cp_comm_bytes_per_layer",
+                zero_comm_bytes.__code__: "picotron.parallel.zero.zero_comm_bytes",
+                ring_bytes.__code__: "picotron.parallel.zero.ring_bytes",
+                bubble_formula.__code__: "picotron.parallel.pipeline_schedules.bubble_formula",
+                simulate.__code__: "picotron.parallel.pipeline_schedules.simulate",
+                ClusterSpec.bandwidth.__code__: "picotron.planner.ClusterSpec.bandwidth",
+                group_link.__code__: "picotron.planner.group_link"}
 
 
 def _model(name: str, **changes) -> ModelConfig:
@@ -244,19 +284,28 @@ TIME_CASES = [
 ]
 
 
-def _planner_time(model, layout, cluster, seq, batch) -> tuple[float, dict]:
-    estimate = estimate_plan(model, plan_of(layout), cluster, seq_len=seq, global_batch=batch, overlap=False)
-    time = {k: v for k, v in estimate.time.items() if k != "pp p2p"}
+def planner_step_time(model: ModelConfig, layout: Layout, cluster: ClusterSpec, seq_len: int, global_batch: int, *,
+                      sends: bool = False) -> tuple[float, dict]:
+    """The planner's seconds per step of `layout` (bf16-mixed, nothing overlapped), and its parts.
+
+    sends=False leaves out the stage-to-stage sends, as the assignment's step_time does."""
+    estimate = estimate_plan(model, plan_of(layout), cluster, seq_len=seq_len, global_batch=global_batch,
+                             overlap=False)
+    time = {k: v for k, v in estimate.time.items() if sends or k != "pp p2p"}
     return sum(time.values()), time
 
 
 def check_step_time(step_time: Callable) -> None:
     """step_time(model, layout, cluster, seq_len, global_batch) -> seconds per optimizer step, no overlap."""
-    with Report("step_time", note="expected: planner.estimate_plan(..., overlap=False), without the stage-to-stage "
-                                  "sends; bf16-mixed, kernels at ASSUMED_MFU of peak") as report:
-        for name, model, layout, cluster, seq, batch in TIME_CASES:
-            expected, parts = _planner_time(model, layout, cluster, seq, batch)
-            with _refusing("step_time", ANSWERS):
+    _check_times("step_time", step_time, TIME_CASES)
+
+
+def _check_times(title: str, step_time: Callable, cases: list) -> None:
+    with Report(title, note="expected: planner.estimate_plan(..., overlap=False), without the stage-to-stage "
+                            "sends; bf16-mixed, kernels at ASSUMED_MFU of peak") as report:
+        for name, model, layout, cluster, seq, batch in cases:
+            expected, parts = planner_step_time(model, layout, cluster, seq, batch)
+            with _refusing(title, TIME_ANSWERS):
                 got = step_time(dataclasses.replace(model), layout, cluster, seq, batch)
             ok = isinstance(got, (int, float)) and abs(got / expected - 1) < 0.01
             detail = "" if ok else ("the planner's parts: " + ", ".join(f"{k} {v:.4g} s" for k, v in parts.items()
@@ -282,52 +331,104 @@ BEST_CASES = [("llama3-8b on one node, 64 x 4096", _model("llama3-8b"), H100_NOD
               ("llama3-8b on 2 nodes, 32 x 8192", _model("llama3-8b"), H100_2_NODES, 8192, 32)]
 
 
-def candidate_layouts(model: ModelConfig, cluster: ClusterSpec, seq_len: int, global_batch: int) -> list[Layout]:
+def candidate_layouts(model: ModelConfig, cluster: ClusterSpec, seq_len: int, global_batch: int,
+                      cp_sizes: tuple = (1,)) -> list[Layout]:
     """The space of the exercise: tp within a node, any pp and dp, ZeRO 0-2, recompute none or full, one sequence
-    per micro-batch; only layouts picotron runs."""
+    per micro-batch; only layouts picotron runs. cp_sizes=(1, 2, 4, 8) adds context parallelism (the stretch)."""
     n = cluster.num_gpus
     out = []
     for tp in (d for d in range(1, cluster.gpus_per_node + 1) if n % d == 0):
-        for pp in (d for d in range(1, min(model.num_layers, n // tp) + 1) if (n // tp) % d == 0):
-            dp = n // (tp * pp)
-            for zero in ((0, 1, 2) if dp > 1 else (0,)):
-                for recompute in ("none", "full"):
-                    layout = Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero, recompute=recompute)
-                    if is_valid(model, layout, seq_len, global_batch):
-                        out.append(layout)
+        for cp in (c for c in cp_sizes if (n // tp) % c == 0):
+            for pp in (d for d in range(1, min(model.num_layers, n // (tp * cp)) + 1) if (n // (tp * cp)) % d == 0):
+                dp = n // (tp * cp * pp)
+                for zero in ((0, 1, 2) if dp * cp > 1 else (0,)):
+                    for recompute in ("none", "full"):
+                        layout = Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero, recompute=recompute, cp=cp)
+                        if is_valid(model, layout, seq_len, global_batch):
+                            out.append(layout)
     return out
+
+
+def _first_stage_bytes(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> int:
+    """estimate_memory(pp_rank=0), bf16-mixed: what memory_per_gpu adds up (the first stage's GPU)."""
+    m = global_batch // (layout.dp * layout.micro_batch_size)
+    model = dataclasses.replace(model, recompute=layout.recompute, max_seq_len=max(model.max_seq_len, seq_len))
+    return estimate_memory(model, TrainConfig(micro_batch_size=layout.micro_batch_size, grad_accum_steps=m,
+                                              seq_len=seq_len), plan_of(layout).parallel, precision="bf16-mixed",
+                           pp_rank=0).total
+
+
+def first_stage_fits(model: ModelConfig, layout: Layout, cluster: ClusterSpec, seq_len: int,
+                     global_batch: int) -> bool:
+    """Whether a first-stage GPU's memory (picotron's estimate, bf16-mixed) is within 90% of the GPU's."""
+    return _first_stage_bytes(model, layout, seq_len, global_batch) <= 0.9 * cluster.gpu_memory
+
+
+def fastest_layout(model: ModelConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, *, sends: bool = False,
+                   cp_sizes: tuple = (1,)) -> tuple[Layout, PlanEstimate, float]:
+    """The planner's answer to best_layout: the fastest of candidate_layouts whose first stage fits in 90% of a GPU.
+
+    Returns the layout, its PlanEstimate (overlap=False; .links says which groups cross nodes) and its seconds
+    per step, the stage-to-stage sends left out unless sends=True."""
+    ranked = []
+    for layout in candidate_layouts(model, cluster, seq_len, global_batch, cp_sizes):
+        if first_stage_fits(model, layout, cluster, seq_len, global_batch):
+            ranked.append((planner_step_time(model, layout, cluster, seq_len, global_batch, sends=sends)[0], layout))
+    if not ranked:
+        raise ValueError(f"no layout of {cluster.num_gpus} GPUs fits {global_batch} x {seq_len} tokens")
+    seconds, layout = min(ranked, key=lambda x: x[0])
+    estimate = estimate_plan(model, plan_of(layout), cluster, seq_len=seq_len, global_batch=global_batch,
+                             overlap=False)
+    return layout, estimate, seconds
 
 
 def check_best_layout(best_layout: Callable) -> None:
     """best_layout(model, cluster, seq_len, global_batch) -> the fastest Layout that fits, among candidate_layouts."""
-    with Report("best_layout", note="expected: the planner's fastest fitting layout of candidate_layouts "
-                                    "(overlap=False, sends left out); yours must fit and be as fast (1%)") as report:
+    with Report("best_layout", note="expected: the planner's fastest layout of candidate_layouts whose first stage "
+                                    "fits in 90% of a GPU (overlap=False, sends left out); yours must fit and be as "
+                                    "fast (1%)") as report:
         for name, model, cluster, seq, batch in BEST_CASES:
-            priced = {}
-            for layout in candidate_layouts(model, cluster, seq, batch):
-                estimate = estimate_plan(model, plan_of(layout), cluster, seq_len=seq, global_batch=batch,
-                                         overlap=False)
-                priced[layout] = (estimate.fits, _planner_time(model, layout, cluster, seq, batch)[0],
-                                  estimate.memory.total)
-            fastest = min(((t, layout) for layout, (fits, t, _) in priced.items() if fits), key=lambda x: x[0])
+            priced = {layout: (_first_stage_bytes(model, layout, seq, batch),
+                               planner_step_time(model, layout, cluster, seq, batch)[0])
+                      for layout in candidate_layouts(model, cluster, seq, batch)}
+            limit = 0.9 * cluster.gpu_memory
+            fastest = min(((t, layout) for layout, (memory, t) in priced.items() if memory <= limit),
+                          key=lambda x: x[0])
             with _refusing("best_layout", ANSWERS):
                 got = best_layout(dataclasses.replace(model), cluster, seq, batch)
             if got not in priced:
                 report.add(False, f"return one of candidate_layouts(...), a Layout (got {got!r})", case=name,
-                           expected=_short(fastest[1]), yours=repr(got)[:40])
+                           expected=layout_name(fastest[1]), yours=repr(got)[:40])
                 continue
-            fits, seconds, memory = priced[got]
+            memory, seconds = priced[got]
+            fits = memory <= limit
             ok = fits and seconds <= fastest[0] * 1.01
-            detail = "" if ok else (f"{_short(got)} needs {memory / GiB:.1f} GiB per GPU, more than 90% of "
-                                    f"{cluster.gpu_memory / 1e9:.0f} GB" if not fits else
-                                    f"{_short(got)} takes {seconds:.3f} s a step; {_short(fastest[1])} fits and "
-                                    f"takes {fastest[0]:.3f} s")
-            report.add(ok, detail, case=name, expected=_short(fastest[1]), yours=_short(got),
+            detail = "" if ok else (f"{layout_name(got)} needs {memory / GiB:.1f} GiB on a first-stage GPU, more "
+                                    f"than 90% of {cluster.gpu_memory / 1e9:.0f} GB" if not fits else
+                                    f"{layout_name(got)} takes {seconds:.3f} s a step; {layout_name(fastest[1])} "
+                                    f"fits and takes {fastest[0]:.3f} s")
+            report.add(ok, detail, case=name, expected=layout_name(fastest[1]), yours=layout_name(got),
                        **{"your step (s)": f"{seconds:.3f}", "fastest (s)": f"{fastest[0]:.3f}"})
 
 
-def _short(layout: Layout) -> str:
-    parts = [f"{a}{getattr(layout, a)}" for a in ("tp", "pp", "dp") if getattr(layout, a) > 1]
-    parts += [f"ZeRO-{layout.zero_stage}"] if layout.zero_stage else []
-    parts += [f"recompute {layout.recompute}"] if layout.recompute != "none" else []
-    return " ".join(parts) or "1 GPU"
+# ==== the stretch: context parallelism in the step time ==========================================
+# (name, model, layout, cluster, seq_len, global_batch): the ring hidden behind attention (long sequences, NVLink),
+# exposed (8k tokens, cp across nodes) and in between; ZeRO over dp x cp, with dp = 1 too; tp, pp and recomputation.
+CP_TIME_CASES = [
+    ("llama3-8b, cp2 dp4 ZeRO-1, one node, 16k", _model("llama3-8b"), Layout(cp=2, dp=4, zero_stage=1), H100_NODE,
+     16384, 16),
+    ("llama3-8b, tp2 cp4, full, one node, 32k", _model("llama3-8b"), Layout(tp=2, cp=4, recompute="full"), H100_NODE,
+     32768, 8),
+    ("llama3-8b, tp2 cp8, 2 nodes, 8k: ring exposed", _model("llama3-8b"), Layout(tp=2, cp=8), H100_2_NODES, 8192, 8),
+    ("llama3-8b, cp8 pp2 ZeRO-1, 2 nodes, 32k", _model("llama3-8b"), Layout(cp=8, pp=2, zero_stage=1), H100_2_NODES,
+     32768, 8),
+    ("smollm-1.7b, cp4 dp4 ZeRO-2, 2 nodes, 16k", _model("smollm-1.7b"), Layout(cp=4, dp=4, zero_stage=2),
+     H100_2_NODES, 16384, 32),
+    ("llama3-8b, tp4 cp4 dp4, 8 nodes, 8k: ring across nodes", _model("llama3-8b"), Layout(tp=4, cp=4, dp=4),
+     H100_8_NODES, 8192, 32),
+]
+
+
+def check_step_time_cp(step_time_cp: Callable) -> None:
+    """step_time_cp(model, layout, cluster, seq_len, global_batch) -> seconds per step of a layout with cp > 1."""
+    _check_times("step_time_cp", step_time_cp, CP_TIME_CASES)

@@ -10,12 +10,15 @@ import dataclasses
 import pytest
 
 from picotron_course.checks_planner import (Layout, candidate_layouts, check_best_layout, check_memory_per_gpu,
-                                            check_params_on_first_stage, check_step_time)
+                                            check_params_on_first_stage, check_step_time, check_step_time_cp,
+                                            fastest_layout, layout_name)
 from picotron.memory import estimate_memory
 from picotron.costs import training_flops_per_token
 from picotron.parallel.tensor_parallel_costs import tp_activation_bytes_per_layer
 from picotron.planner import ASSUMED_MFU
 from picotron.costs import flops_per_token
+from picotron.parallel.context_parallel_costs import cp_comm_bytes_per_layer
+from picotron.parallel.tensor_parallel_costs import tp_comm_bytes_per_layer
 
 BYTES = {"fp32": (4, 4, 8, 4), "bf16-mixed": (2, 2, 12, 2)}     # parameter, gradient, optimizer, activation
 
@@ -75,6 +78,38 @@ def ref_step_time(model, layout, cluster, seq_len, global_batch, *, bubble=True)
     return pipeline + (sent / dp_bw if dp > 1 else 0.0)
 
 
+def ref_step_time_cp(model, layout, cluster, seq_len, global_batch, *, ring=True, hidden=True, attention_at_s=True,
+                     cp_replicas=True, tp_on_slice=True, fp32_ring_grads=True):
+    """Part 3's step time with cp: s/cp tokens per rank, the K,V ring past the attention core, dp over dp x cp."""
+    speed, a, h = cluster.peak_flops * ASSUMED_MFU, 2, model.hidden_size
+    t, c, p, n = layout.tp, layout.cp, layout.pp, layout.dp
+    m = global_batch // (n * layout.micro_batch_size)
+    layers = -(-model.num_layers // p)
+    tokens = layout.micro_batch_size * seq_len // c
+    node = cluster.gpus_per_node
+
+    def bw(stride, size):
+        inside = size == 1 or node % (stride * size) == 0
+        return cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth
+
+    flops = training_flops_per_token(dataclasses.replace(model, recompute=layout.recompute),
+                                     seq_len if attention_at_s else seq_len // c)
+    compute = flops * tokens * layers / model.num_layers / t / speed
+    tp_tokens = tokens if tp_on_slice else layout.micro_batch_size * seq_len
+    tp = layers * 8 * (t - 1) / t * tp_tokens * h * a / bw(1, t) * (1.5 if layout.recompute == "full" else 1)
+    exposed = 0.0
+    if ring and c > 1:
+        kv = 2 * tokens * (model.num_key_value_heads // t) * model.head_dim       # K and V of this rank's heads
+        sent = layers * kv * (2 * (c - 1) * a + c * (4 if fp32_ring_grads else a)) / bw(t, c)
+        core = layers * 12 * tokens * seq_len * model.num_attention_heads * model.head_dim / t / speed
+        exposed = max(0.0, sent - core) if hidden else sent
+    pipeline = (m + p - 1) * (compute + tp + exposed)
+    replicas, stride = (n * c, t) if cp_replicas else (n, t * c)
+    one_pass = (replicas - 1) / replicas * 2 * ref_params_on_first_stage(model, layout)
+    sent = {0: 2 * one_pass, 1: 2 * one_pass, 2: (m + 1) * one_pass, 3: 3 * m * one_pass}[layout.zero_stage]
+    return pipeline + (sent / bw(stride, replicas) if replicas > 1 else 0.0)
+
+
 def ref_best_layout(model, cluster, seq_len, global_batch):
     fitting = [layout for layout in candidate_layouts(model, cluster, seq_len, global_batch)
                if sum(ref_memory_per_gpu(model, layout, seq_len, global_batch, "bf16-mixed").values())
@@ -84,8 +119,9 @@ def ref_best_layout(model, cluster, seq_len, global_batch):
 
 @pytest.mark.parametrize("check, answer", [(check_params_on_first_stage, ref_params_on_first_stage),
                                            (check_memory_per_gpu, ref_memory_per_gpu),
-                                           (check_step_time, ref_step_time), (check_best_layout, ref_best_layout)],
-                         ids=["params", "memory", "step_time", "best_layout"])
+                                           (check_step_time, ref_step_time), (check_best_layout, ref_best_layout),
+                                           (check_step_time_cp, ref_step_time_cp)],
+                         ids=["params", "memory", "step_time", "best_layout", "step_time_cp"])
 def test_correct_answer_passes(check, answer, capsys):
     check(answer)
     out = capsys.readouterr().out
@@ -146,6 +182,12 @@ def time_forgets_recomputation(model, layout, cluster, seq, batch):
         if layout.recompute == "full" else ref_step_time(model, layout, cluster, seq, batch) * 0.9
 
 
+def time_copies_the_chapter(model, layout, cluster, seq, batch):     # chapter 08's step_time calls the counters
+    t = layout.tp
+    tp_bytes = tp_comm_bytes_per_layer(layout.micro_batch_size, seq, model.hidden_size, t, t > 1, 2)
+    return ref_step_time(model, layout, cluster, seq, batch) + 0 * tp_bytes
+
+
 def best_ignores_memory(model, cluster, seq, batch):
     return min(candidate_layouts(model, cluster, seq, batch),
                key=lambda layout: ref_step_time(model, layout, cluster, seq, batch))
@@ -153,6 +195,41 @@ def best_ignores_memory(model, cluster, seq, batch):
 
 def best_always_data_parallel(model, cluster, seq, batch):
     return Layout(dp=cluster.num_gpus, zero_stage=2, recompute="full")
+
+
+def cp_ignored(model, layout, cluster, seq, batch):                    # part 3's answer, as if cp were not there
+    return ref_step_time(model, layout, cluster, seq, batch)
+
+
+def cp_without_the_ring(model, layout, cluster, seq, batch):
+    return ref_step_time_cp(model, layout, cluster, seq, batch, ring=False)
+
+
+def cp_ring_never_hidden(model, layout, cluster, seq, batch):
+    return ref_step_time_cp(model, layout, cluster, seq, batch, hidden=False)
+
+
+def cp_attention_over_the_slice(model, layout, cluster, seq, batch):   # 12 L h (s/cp): a token sees its slice only
+    return ref_step_time_cp(model, layout, cluster, seq, batch, attention_at_s=False)
+
+
+def cp_ranks_not_replicas(model, layout, cluster, seq, batch):         # gradients averaged over dp only
+    return ref_step_time_cp(model, layout, cluster, seq, batch, cp_replicas=False)
+
+
+def cp_tp_on_the_whole_sequence(model, layout, cluster, seq, batch):
+    return ref_step_time_cp(model, layout, cluster, seq, batch, tp_on_slice=False)
+
+
+def cp_ring_gradients_in_bf16(model, layout, cluster, seq, batch):    # the K,V gradients travel in fp32
+    return ref_step_time_cp(model, layout, cluster, seq, batch, fp32_ring_grads=False)
+
+
+def cp_calls_the_counter(model, layout, cluster, seq, batch):
+    heads = dataclasses.replace(model, num_attention_heads=model.num_attention_heads // layout.tp,
+                                num_key_value_heads=model.num_key_value_heads // layout.tp, head_dim=model.head_dim)
+    cp_comm_bytes_per_layer(heads, layout.micro_batch_size, seq, layout.cp, "zigzag", 2)
+    return ref_step_time_cp(model, layout, cluster, seq, batch)
 
 
 WRONG_ANSWERS = [
@@ -166,8 +243,17 @@ WRONG_ANSWERS = [
     (check_step_time, time_without_bubble, "step_time"),
     (check_step_time, time_tp_over_the_network, "step_time"),
     (check_step_time, time_forgets_recomputation, "step_time"),
-    (check_best_layout, best_ignores_memory, "GiB per GPU"),
+    (check_step_time, time_copies_the_chapter, "tensor_parallel_costs.tp_comm_bytes_per_layer"),
+    (check_best_layout, best_ignores_memory, "GiB on a first-stage GPU"),
     (check_best_layout, best_always_data_parallel, "best_layout"),
+    (check_step_time_cp, cp_ignored, "step_time_cp"),
+    (check_step_time_cp, cp_without_the_ring, "lacks about the cp part"),
+    (check_step_time_cp, cp_ring_never_hidden, "step_time_cp"),
+    (check_step_time_cp, cp_attention_over_the_slice, "step_time_cp"),
+    (check_step_time_cp, cp_ranks_not_replicas, "step_time_cp"),
+    (check_step_time_cp, cp_tp_on_the_whole_sequence, "step_time_cp"),
+    (check_step_time_cp, cp_ring_gradients_in_bf16, "step_time_cp"),
+    (check_step_time_cp, cp_calls_the_counter, "context_parallel_costs.cp_comm_bytes_per_layer"),
 ]
 
 
@@ -180,6 +266,24 @@ def test_wrong_answer_fails(check, answer, says, capsys):
 def test_unsolved_raises_not_implemented():
     def stub(*args):
         raise NotImplementedError("write this part")
-    for check in (check_params_on_first_stage, check_memory_per_gpu, check_step_time, check_best_layout):
+    for check in (check_params_on_first_stage, check_memory_per_gpu, check_step_time, check_best_layout,
+                  check_step_time_cp):
         with pytest.raises(NotImplementedError):
             check(stub)
+
+
+def test_fastest_layout_is_what_best_layout_is_held_to():
+    """The notebook's "predict, then run" reads the checks' reference: it agrees with the formulas above, and
+    a 10x slower network moves dp into the nodes and pp across them (the sends left out)."""
+    import dataclasses as dc
+    from picotron.config import ModelConfig
+    from picotron.planner import ClusterSpec
+    model, cluster = ModelConfig.preset("llama3-8b"), ClusterSpec.h100(32)
+    slow = dc.replace(cluster, inter_node_bandwidth=cluster.inter_node_bandwidth / 10)
+    fast_layout, fast_estimate, fast_seconds = fastest_layout(model, cluster, 8192, 32)
+    slow_layout, slow_estimate, slow_seconds = fastest_layout(model, slow, 8192, 32)
+    assert fast_layout == ref_best_layout(model, cluster, 8192, 32)
+    assert abs(fast_seconds / ref_step_time(model, fast_layout, cluster, 8192, 32) - 1) < 0.01
+    assert fast_estimate.links["dp"] == "inter" and slow_estimate.links["pp"] == "inter"
+    assert slow_estimate.links["dp"] == "intra" and slow_seconds < 1.05 * fast_seconds
+    assert layout_name(slow_layout) == "tp4 pp4 dp2" and "cp=1" not in repr(slow_layout)
