@@ -368,15 +368,16 @@ ATTENTION_CASES = [  # (batch, heads, kv_heads, seq_q, seq_k, head_dim, blocks)
 ]
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=["square", "gqa_ragged", "d24_small_blocks", "seq_k_longer"])
-def test_flash_attention_forward_and_backward(case, causal):
+def test_flash_attention_forward_and_backward(case, causal, version):
     batch, heads, kv_heads, seq_q, seq_k, head_dim, blocks = case
     torch.manual_seed(0)
     q = torch.randn(batch, heads, seq_q, head_dim, device=DEVICE, requires_grad=True)
     k = torch.randn(batch, kv_heads, seq_k, head_dim, device=DEVICE, requires_grad=True)
     v = torch.randn(batch, kv_heads, seq_k, head_dim, device=DEVICE, requires_grad=True)
-    out = flash_attention(q, k, v, causal=causal, blocks=blocks)
+    out = flash_attention(q, k, v, causal=causal, blocks=blocks, version=version)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
@@ -437,6 +438,8 @@ def test_flash_attention_refuses_bad_shapes():
         flash_attention(q, torch.randn(1, 2, 8, 16, device=DEVICE), torch.randn(1, 2, 8, 16, device=DEVICE))
     with pytest.raises(ValueError, match="powers of two"):
         flash_attention(q, q, q, blocks=(16, 32))
+    with pytest.raises(ValueError, match="version=3; choose one of"):
+        flash_attention(q, q, q, version=3)
 
 
 def test_attention_flops():
@@ -517,6 +520,8 @@ COMPILE_ALL = """
         tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
         compile(attention.attention_backward_dkdv_kernel_v1, typed, tiles, warps, stages)
         compile(attention.attention_backward_dq_kernel_v1, typed, tiles, warps, stages)
+        compile(attention.attention_backward_dkdv_kernel_v2, typed, tiles, warps, stages)
+        compile(attention.attention_backward_dq_kernel_v2, typed, tiles, warps, stages)
 """
 
 
@@ -524,7 +529,7 @@ COMPILE_ALL = """
 def test_every_kernel_compiles_for_an_h100():
     done = _python(COMPILE_ALL, TRITON_DEFAULT_FP_FUSION="1")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 17
+    assert done.stdout.count("compiled") == 21
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine picotron.kernels compiles for that GPU")
@@ -537,13 +542,16 @@ def test_compile_report_for_an_h100_shows_what_each_version_changed():
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stderr[-4000:]
     reports = {r["name"]: r for r in json.loads(done.stdout)}
-    assert len(reports) == 13 and all(r["arch"] == 90 for r in reports.values())
+    assert len(reports) == 15 and all(r["arch"] == 90 for r in reports.values())
     assert all(r["local_bytes"] == 0 and r["shared_bytes"] <= 227 * 1024 for r in reports.values()), reports
     v1, v2 = reports["attention_forward_kernel_v1"], reports["attention_forward_kernel_v2"]
     assert v1["hgmma"] > 0 and v2["hgmma"] > 0 and v1["hmma"] == v2["hmma"] == 0
     assert v1["tma_loads"] == 0 and v1["global_loads"] > 0
     assert v2["tma_loads"] > 0 and v2["global_loads"] == 0 and v2["registers"] < v1["registers"]
     assert reports["softmax_kernel_v1"]["hgmma"] == 0          # no matmul, no matrix instruction
+    for part in ("dkdv", "dq"):                                 # backward v2 reads its streamed tiles by TMA
+        old, new = reports[f"attention_backward_{part}_kernel_v1"], reports[f"attention_backward_{part}_kernel_v2"]
+        assert new["tma_loads"] > 0 and new["global_loads"] < old["global_loads"], (old, new)
 
 
 # ---- on a GPU: larger sizes, bf16, against torch's kernels -------------------------------------------

@@ -15,7 +15,7 @@ traffic falls from O(seq^2) to O(seq * head_dim) per head, and the matmuls run o
 
 Versions (kernels `attention_forward_kernel_vN`, `attention_backward_dkdv_kernel_vN` and
 `attention_backward_dq_kernel_vN`, launched by `attention_forward_vN`, `attention_backward_vN`;
-`flash_attention` is the autograd function of forward v1 and backward v1):
+`flash_attention` is the autograd function of one version, forward and backward):
 
     forward v1   grid (query blocks, batch * heads); keys above the diagonal are skipped (causal: half
                  the work), only the diagonal blocks are masked. Writes O and the log-sum-exp
@@ -31,6 +31,12 @@ Versions (kernels `attention_forward_kernel_vN`, `attention_backward_dkdv_kernel
                  it, recomputes P = exp(S - L) and accumulates dV = P^T dO, dK = dS^T Q * scale;
                  dq, one block of queries per program, loops over its keys, dQ = dS K * scale.
                  With dS = P * (dP - D), dP = dO V^T and D = rowsum(dO * O) (computed in torch, one pass).
+    backward v2  v1 with the tiles through descriptors (TMA on Hopper); the causal mask only on the diagonal
+                 blocks (padded rows need none: they load as zeros and add nothing); and one dkdv program per
+                 key/value head that loops over its group of query heads, so dK, dV are written once in k's
+                 dtype instead of per query head in fp32 and added up by torch.
+
+`flash_attention(..., version=1)` runs v1 both ways, version=2 v2 both ways.
 
 Scores are scaled by scale * log2(e) so that exp becomes exp2, the GPU's native instruction.
 Grouped-query attention (fewer key/value heads, as picotron's Llama) reads key/value head
@@ -50,8 +56,9 @@ import triton.language as tl
 from picotron.kernels.runtime import INTERPRETED, check_device
 
 __all__ = ["attention_forward_kernel_v1", "attention_forward_kernel_v2", "attention_backward_dkdv_kernel_v1",
-           "attention_backward_dq_kernel_v1", "attention_forward_v1", "attention_forward_v2", "attention_backward_v1", "FlashAttentionFunction", "flash_attention",
-           "attention_flops"]
+           "attention_backward_dq_kernel_v1", "attention_backward_dkdv_kernel_v2", "attention_backward_dq_kernel_v2",
+           "attention_forward_v1", "attention_forward_v2", "attention_backward_v1", "attention_backward_v2", "VERSIONS",
+           "FlashAttentionFunction", "flash_attention", "attention_flops"]
 
 LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e))
 
@@ -311,6 +318,143 @@ def attention_backward_dq_kernel_v1(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_
     tl.store(dq_ptr + q_offsets, (dq * scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
+# ---- backward v2: tiles through descriptors, a GQA group in one program, masks on the diagonal only --------
+@triton.jit
+def _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n, seq_q,
+                    lo, hi, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Add query blocks [lo, hi) of one query head to the dK, dV of a key block. Query rows past seq_q come in
+    as zeros (q, dO) with D = 0, so they add nothing: no mask is needed but the causal one (MASK)."""
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = q_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = do_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < seq_q, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < seq_q, other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+        if MASK:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def attention_backward_dkdv_kernel_v2(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                                      stride_vb, stride_vh, stride_vn, stride_gb, stride_gh, stride_gm,
+                                      batches, n_heads, kv_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    # One program per (key block, batch, key/value head): it visits the `group` query heads that read this
+    # head and writes dK, dV once, per key/value head (v1 wrote them per query head for torch to add up).
+    start_n = tl.program_id(0) * BLOCK_N
+    batch = tl.program_id(1) // kv_heads
+    kv_head = tl.program_id(1) % kv_heads
+    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[batches, n_heads, seq_q, head_dim],
+                                       strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
+    do_desc = tl.make_tensor_descriptor(do_ptr, shape=[batches, n_heads, seq_q, head_dim],
+                                        strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[batches, kv_heads, seq_k, head_dim],
+                                       strides=[stride_kb, stride_kh, stride_kn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[batches, kv_heads, seq_k, head_dim],
+                                       strides=[stride_vb, stride_vh, stride_vn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    dk_desc = tl.make_tensor_descriptor(dk_ptr, shape=[batches, kv_heads, seq_k, head_dim],
+                                        strides=[stride_gb, stride_gh, stride_gm, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    dv_desc = tl.make_tensor_descriptor(dv_ptr, shape=[batches, kv_heads, seq_k, head_dim],
+                                        strides=[stride_gb, stride_gh, stride_gm, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    v = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(group):
+        head = kv_head * group + g
+        row_base = (batch * n_heads + head) * seq_q
+        if CAUSAL:   # queries before start_n never see these keys; only the first query block crosses the diagonal
+            lo = (start_n // BLOCK_M) * BLOCK_M
+            dk, dv = _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n,
+                                     seq_q, lo, tl.minimum(lo + BLOCK_M, seq_q), qk_scale, BLOCK_M, BLOCK_D, True,
+                                     DOT_FP32, PRECISION)
+            dk, dv = _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n,
+                                     seq_q, lo + BLOCK_M, seq_q, qk_scale, BLOCK_M, BLOCK_D, False, DOT_FP32, PRECISION)
+        else:
+            dk, dv = _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n,
+                                     seq_q, 0, seq_q, qk_scale, BLOCK_M, BLOCK_D, False, DOT_FP32, PRECISION)
+    dk_desc.store([batch, kv_head, start_n, 0], (dk * scale).to(dk_ptr.dtype.element_ty).reshape(1, 1, BLOCK_N, BLOCK_D))
+    dv_desc.store([batch, kv_head, start_n, 0], dv.to(dv_ptr.dtype.element_ty).reshape(1, 1, BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _dq_blocks_v2(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, offs_m, lo, hi, qk_scale,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, DOT_FP32: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Add key blocks [lo, hi) to dQ of a query block. Keys past seq_k come in as zero rows of K and V: their
+    dS K product is zero, so they need no mask; only the diagonal block is masked (MASK)."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        k = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+        if MASK:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def attention_backward_dq_kernel_v2(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                                    stride_vb, stride_vh, stride_vn,
+                                    batches, n_heads, kv_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                    CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    kv_head = head // group
+    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[batches, n_heads, seq_q, head_dim],
+                                       strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
+    do_desc = tl.make_tensor_descriptor(do_ptr, shape=[batches, n_heads, seq_q, head_dim],
+                                        strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
+    dq_desc = tl.make_tensor_descriptor(dq_ptr, shape=[batches, n_heads, seq_q, head_dim],
+                                        strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[batches, kv_heads, seq_k, head_dim],
+                                       strides=[stride_kb, stride_kh, stride_kn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[batches, kv_heads, seq_k, head_dim],
+                                       strides=[stride_vb, stride_vh, stride_vn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    do = do_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    row_base = (batch * n_heads + head) * seq_q
+    lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < seq_q, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < seq_q, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:   # keys before start_m: every row sees them; the diagonal block: masked; later keys: never seen
+        dq = _dq_blocks_v2(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, offs_m, 0,
+                           tl.minimum(start_m, seq_k), qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32, PRECISION)
+        dq = _dq_blocks_v2(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, offs_m, start_m,
+                           tl.minimum(start_m + BLOCK_M, seq_k), qk_scale, BLOCK_N, BLOCK_D, True, DOT_FP32, PRECISION)
+    else:
+        dq = _dq_blocks_v2(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, offs_m, 0, seq_k, qk_scale,
+                           BLOCK_N, BLOCK_D, False, DOT_FP32, PRECISION)
+    dq_desc.store([batch, head, start_m, 0], (dq * scale).to(dq_ptr.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+
+
 # ---- launchers --------------------------------------------------------------------------------
 def _blocks(head_dim: int, backward: bool = False, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M is a multiple of BLOCK_N (the causal split needs it).
@@ -461,32 +605,69 @@ def attention_backward_v1(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return dq, dk, dv
 
 
+def attention_backward_v2(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, causal: bool = True, scale: float | None = None,
+                          blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As attention_backward_v1 (v2): tiles through descriptors, masks on diagonal blocks only, and dK, dV of a
+    key/value head made by one program over its group of query heads (no per-query-head copies to add)."""
+    group = _check_shapes(q, k, v)
+    q, do = q.contiguous(), do.contiguous()
+    k, v = _last_dim_contiguous(k, v)
+    _check_tma(q, k, v)
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    delta = (do.float() * out.float()).sum(dim=-1)                  # D = rowsum(dO * O): (batch, heads, seq_q)
+    dq = torch.empty_like(q)
+    dk, dv = torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format)
+    block_m, block_n, warps, stages = _blocks(head_dim, backward=True, element_size=q.element_size())
+    if blocks is not None:
+        block_m, block_n = _checked_blocks(blocks)
+    if not INTERPRETED:
+        triton.set_allocator(_tma_scratch)
+    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+                  DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
+    attention_backward_dkdv_kernel_v2[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3],
+        batch, heads, kv_heads, group, seq_q, seq_k, head_dim, scale * LOG2E, scale, **common)
+    attention_backward_dq_kernel_v2[(triton.cdiv(seq_q, block_m), batch * heads)](
+        q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        batch, heads, kv_heads, group, seq_q, seq_k, head_dim, scale * LOG2E, scale, **common)
+    return dq, dk, dv
+
+
+VERSIONS = {1: (attention_forward_v1, attention_backward_v1), 2: (attention_forward_v2, attention_backward_v2)}
+
+
 class FlashAttentionFunction(torch.autograd.Function):
-    """Attention with FlashAttention kernels both ways (forward v1, backward v1); saves q, k, v, O and one fp32
-    per query row."""
+    """Attention with FlashAttention kernels both ways (forward and backward of one version); saves q, k, v, O and
+    one fp32 per query row."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float | None, blocks: tuple[int, int] | None):
+    def forward(ctx, q, k, v, causal: bool, scale: float | None, blocks: tuple[int, int] | None, version: int = 1):
         q, k, v = _last_dim_contiguous(q, k, v)
-        out, lse = attention_forward_v1(q, k, v, causal, scale, blocks)
+        out, lse = VERSIONS[version][0](q, k, v, causal, scale, blocks)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.blocks = causal, scale, blocks
+        ctx.causal, ctx.scale, ctx.blocks, ctx.version = causal, scale, blocks, version
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward_v1(do, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.blocks)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = VERSIONS[ctx.version][1](do, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.blocks)
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    scale: float | None = None, blocks: tuple[int, int] | None = None) -> torch.Tensor:
+                    scale: float | None = None, blocks: tuple[int, int] | None = None, version: int = 1) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, like F.scaled_dot_product_attention(q, k, v, is_causal=causal,
     scale=scale, enable_gqa=True). q (batch, heads, seq_q, d), k and v (batch, kv_heads, seq_k, d); the causal
     mask is aligned top-left (query i sees keys 0..i), as SDPA's. Differentiable in q, k and v.
-    blocks: (BLOCK_M, BLOCK_N) tile sizes instead of the defaults (see attention_forward_v1)."""
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, blocks)
+    blocks: (BLOCK_M, BLOCK_N) tile sizes instead of the defaults (see attention_forward_v1).
+    version: which forward and backward kernels (1 or 2; the module's docstring says what each changes)."""
+    if version not in VERSIONS:
+        raise ValueError(f"version={version!r}; choose one of {sorted(VERSIONS)}")
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, blocks, version)
 
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool = True,

@@ -142,7 +142,8 @@ def h100_builds() -> list[tuple]:
     for kernel in (attention.attention_forward_kernel_v1, attention.attention_forward_kernel_v2):
         builds.append((kernel, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages))
     block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=2)
-    for kernel in (attention.attention_backward_dkdv_kernel_v1, attention.attention_backward_dq_kernel_v1):
+    for kernel in (attention.attention_backward_dkdv_kernel_v1, attention.attention_backward_dq_kernel_v1,
+                   attention.attention_backward_dkdv_kernel_v2, attention.attention_backward_dq_kernel_v2):
         builds.append((kernel, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages))
     return builds
 
