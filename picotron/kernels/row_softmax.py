@@ -105,8 +105,10 @@ def softmax_kernel_v3(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOC
         inside = start + cols < n_cols
         x = tl.load(x_row + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
         new_m = tl.maximum(m, tl.max(x, axis=0))
-        # The sum so far was taken against the old max: rescale it by exp(m - new_m) before adding.
-        total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        # The sum so far was taken against the old max: rescale it by exp(m - new_m) before adding. While every
+        # value so far is -inf (a masked start of the row), shift by 0: exp(-inf - -inf) would be NaN.
+        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = new_m
     for start in range(0, n_cols, BLOCK):
         inside = start + cols < n_cols
