@@ -50,7 +50,7 @@ from picotron.launch import device, run
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "close_in_training", "max_abs_error",
            "mismatch", "on_ranks", "one_thread", "patched", "collective_patches", "collectives_observed", "payload_of",
            "tensors_in", "only_point_to_point", "check_chunk_to_send", "check_reduce_scatter_phase",
-           "check_all_gather_phase", "check_ring_all_reduce"]
+           "check_all_gather_phase", "check_ring_all_reduce", "check_recursive_doubling_all_reduce"]
 
 # ---- reporting ----------------------------------------------------------------------------
 class Report:
@@ -377,7 +377,7 @@ def _check_phase(phase: Callable, title: str, gather: bool) -> None:
             for (k, dtype, seed), per_rank in zip(cases, zip(*results)):
                 total = _sum_over_ranks(world, (world * k,), dtype, seed)
                 errors, detail = [], ""
-                for rank, (flat, _, replaced) in enumerate(per_rank):
+                for rank, (flat, _, replaced, _) in enumerate(per_rank):
                     # reduce-scatter: only the owned chunk is defined; all-gather: every chunk
                     looked_at = slice(None) if gather else _owned(rank, world, k)
                     errors.append(max_abs_error(flat[looked_at], total[looked_at]))
@@ -385,10 +385,14 @@ def _check_phase(phase: Callable, title: str, gather: bool) -> None:
                         what = "all chunks" if gather else f"chunk {(rank + 1) % world}"
                         detail = (f"rank {rank}, {what}: {mismatch(flat[looked_at], total[looked_at])}"
                                   + _replaced_note(replaced))
-                sent = max(nbytes for _, nbytes, _ in per_rank)
+                sent = max(nbytes for _, nbytes, _, _ in per_rank)
                 bound = (world - 1) * k * _itemsize(dtype)  # N-1 steps, one chunk each
                 if not detail and not 0 < sent <= bound:
                     detail = f"a rank sent {sent} bytes; one phase sends N-1 chunks: {bound} bytes"
+                returned = next((kind for _, _, _, kind in per_rank if kind is not None), None)
+                if not detail and returned is not None:  # the task says: return nothing
+                    detail = (f"{title} returned a {returned}; return nothing: the phase works in place on "
+                              "`chunks`, and the caller reads the result there")
                 report.add(not detail, detail, world=world, chunk_numel=k, dtype=dtype, max_abs_err=max(errors),
                            **{"sent/rank (B)": sent, "N-1 chunks (B)": bound})
 
@@ -412,13 +416,16 @@ def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
                 # when world divides numel.
                 bound = 2 * (world - 1) * math.ceil(numel / world) * _itemsize(dtype)
                 errors, sent, detail = [], [], ""
-                for rank, (tensor, nbytes, returned) in enumerate(per_rank):
+                for rank, (tensor, nbytes, returned, gave_back) in enumerate(per_rank):
                     errors.append(max_abs_error(tensor, expected))
                     sent.append(nbytes)
                     if not detail and not close_enough(tensor, expected, dtype, n=world):
                         detail = f"rank {rank}: {mismatch(tensor, expected)}"
                         if returned is not None and close_enough(returned, expected, dtype, n=world):
                             detail += "; the returned tensor is right, but the input must be summed in place"
+                    if not detail and gave_back != "the tensor":  # the task says: return it
+                        detail = (f"rank {rank}: ring_all_reduce returned {gave_back}; return the tensor "
+                                  "it summed in place (`return tensor`)")
                 traffic_ok = 0 < max(sent) <= bound
                 if not detail and not traffic_ok:
                     detail = (f"a rank sent {max(sent)} bytes; a ring all-reduce sends at most {bound} "
@@ -429,7 +436,8 @@ def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
 
 
 def _phase_on_rank(phase: Callable, what: str, cases: list, gather: bool) -> list:
-    """Run one phase on this rank for every case; return (all chunks, bytes sent, replaced?)."""
+    """Run one phase on this rank for every case; return (all chunks, bytes sent, chunks replaced, the type of
+    what the phase returned or None)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
     for k, dtype, seed in cases:
@@ -441,9 +449,9 @@ def _phase_on_rank(phase: Callable, what: str, cases: list, gather: bool) -> lis
         chunks = list(flat.split(k))
         originals = list(chunks)
         with only_point_to_point(what) as sent:
-            phase(chunks, rank, world)
+            returned = phase(chunks, rank, world)
         replaced = [i for i, (a, b) in enumerate(zip(chunks, originals)) if a is not b]
-        out.append((flat.cpu(), sent.bytes, replaced))
+        out.append((flat.cpu(), sent.bytes, replaced, None if returned is None else type(returned).__name__))
     return out
 
 
@@ -454,10 +462,20 @@ def _ring_on_rank(ring_all_reduce: Callable, cases: list) -> list:
         tensor = rank_tensor(rank, shape, dtype, seed).to(device())
         with only_point_to_point("ring_all_reduce", answers=("ring_all_reduce",)) as sent:
             returned = ring_all_reduce(tensor)
+        gave_back = _what_came_back(returned, tensor)
         if not isinstance(returned, torch.Tensor) or returned is tensor:
             returned = None  # only kept to explain a result returned instead of written in place
-        out.append((tensor.cpu(), sent.bytes, returned))
+        out.append((tensor.cpu(), sent.bytes, None if returned is None else returned.cpu(), gave_back))
     return out
+
+
+def _what_came_back(returned, tensor: torch.Tensor) -> str:
+    """"the tensor" when a function returned its input itself, otherwise what it returned, in words."""
+    if returned is tensor:
+        return "the tensor"
+    if isinstance(returned, torch.Tensor):
+        return "a new tensor, not the one it was given"
+    return "None" if returned is None else f"a {type(returned).__name__}"
 
 
 def _replaced_note(replaced: list) -> str:
@@ -483,3 +501,143 @@ def ring_bytes(world: int, nbytes: int) -> float:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- 00, stretch: an all-reduce in log2 N steps, by recursive doubling ---------------------------
+# At step k (0 <= k < log2 N) rank r swaps its whole running sum with rank r XOR 2^k and adds what it
+# receives (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
+# MPICH"): log2 N messages of S bytes per rank, against the ring's 2(N-1) messages of S/N. The check
+# holds the learner to that count and to the sum one process computes; it has no reference of its own.
+DOUBLING_WORLDS = (2, 4)           # powers of two
+DOUBLING_REFUSED = 3               # not a power of two: every rank must raise ValueError before any message
+DOUBLING_SHAPES = ((6,), (3, 5))   # 1-D and 2-D, a size that 4 does not divide
+DOUBLING_DTYPES = RING_DTYPES
+
+
+class MessageBeforeRefusal(Exception):
+    """Raised in the check, on a world size that is not a power of two, by the first send or receive."""
+
+
+def check_recursive_doubling_all_reduce(recursive_doubling_all_reduce: Callable) -> None:
+    """On 2 and 4 ranks: the sum over ranks, in place, the tensor returned, and exactly log2 N messages of S
+    bytes per rank. On 3 ranks: ValueError naming the world size on every rank, before any message."""
+    fn = recursive_doubling_all_reduce
+    with Report("recursive_doubling_all_reduce",
+                note="log2(N) x S: what each rank sends by recursive doubling, one message of the whole "
+                     "tensor (S bytes) per step") as report:
+        for world in DOUBLING_WORLDS:
+            steps = world.bit_length() - 1  # log2 N
+            cases = [(shape, dtype, 100 + seed)
+                     for seed, (shape, dtype) in enumerate(_product(DOUBLING_SHAPES, DOUBLING_DTYPES))]
+            results = on_ranks(_doubling_on_rank, world, fn, cases)
+            for (shape, dtype, seed), per_rank in zip(cases, zip(*results)):
+                expected = _sum_over_ranks(world, shape, dtype, seed)
+                nbytes = math.prod(shape) * _itemsize(dtype)
+                errors, detail = [], ""
+                for rank, (tensor, messages, returned, gave_back) in enumerate(per_rank):
+                    errors.append(max_abs_error(tensor, expected))
+                    if detail:
+                        continue
+                    if not close_enough(tensor, expected, dtype, n=world):
+                        detail = f"rank {rank}: {mismatch(tensor, expected)}"
+                        if returned is not None and close_enough(returned, expected, dtype, n=world):
+                            detail += "; the returned tensor is right, but the input must be summed in place"
+                    elif gave_back != "the tensor":
+                        detail = (f"rank {rank}: it returned {gave_back}; return the tensor it summed in place "
+                                  "(`return tensor`)")
+                    elif messages != [nbytes] * steps:
+                        detail = (f"rank {rank} sent {len(messages)} messages of {_sizes(messages)} bytes; recursive "
+                                  f"doubling on {world} ranks sends log2 N = {steps}, each the whole tensor "
+                                  f"({nbytes} bytes): at step k, to rank r XOR 2^k")
+                report.add(not detail, detail, world=world, shape=shape, dtype=dtype, max_abs_err=max(errors),
+                           **{"messages/rank": max(len(m) for _, m, _, _ in per_rank),
+                              "sent/rank (B)": max(sum(m) for _, m, _, _ in per_rank),
+                              "log2(N) x S (B)": steps * nbytes})
+        world = DOUBLING_REFUSED
+        outcomes = on_ranks(_doubling_refusal_on_rank, world, fn)
+        detail = next((f"rank {rank}: {outcome}" for rank, outcome in enumerate(outcomes) if outcome), "")
+        report.add(not detail, detail, world=world, shape=(6,), dtype=torch.float32, refused="ValueError")
+
+
+def _doubling_on_rank(fn: Callable, cases: list) -> list:
+    """Run the learner's all-reduce for every case; return (tensor after, bytes of each message sent, the returned
+    tensor when it is another one, what came back in words)."""
+    rank = dist.get_rank()
+    out = []
+    for shape, dtype, seed in cases:
+        tensor = rank_tensor(rank, shape, dtype, seed).to(device())
+        with only_point_to_point("recursive_doubling_all_reduce"), _messages_sent() as messages:
+            returned = fn(tensor)
+        other = returned.cpu() if isinstance(returned, torch.Tensor) and returned is not tensor else None
+        out.append((tensor.cpu(), list(messages), other, _what_came_back(returned, tensor)))
+    return out
+
+
+def _doubling_refusal_on_rank(fn: Callable) -> str:
+    """On a world size that is not a power of two: "" when the learner raised ValueError naming it before any
+    send or receive, otherwise what happened instead. Every send and receive raises here, so no rank can
+    wait for a partner that has already refused."""
+    world = dist.get_world_size()
+    tensor = rank_tensor(dist.get_rank(), (6,), torch.float32, seed=7).to(device())
+    try:
+        with only_point_to_point("recursive_doubling_all_reduce"), _no_messages():
+            fn(tensor)
+    except ValueError as error:
+        if str(world) not in str(error):
+            return f"the ValueError does not name the world size {world}: {error}"
+        return ""
+    except MessageBeforeRefusal as error:
+        what = f"it {error}"
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the learner's own error, reported in the table
+        what = f"it raised {type(error).__name__} ({error})"
+    else:
+        what = "it returned"
+    return f"on {world} ranks (not a power of two) {what}; raise ValueError naming {world} before any send or receive"
+
+
+@contextmanager
+def _messages_sent() -> Iterator[list[int]]:
+    """Inside the block, the bytes of each message this rank sends, one entry per send or isend (a send that
+    calls isend counts once). Patches torch.distributed and its c10d module with one function each, as
+    P2POp checks its op by identity."""
+    sizes, in_send = [], [False]
+    isend, send = c10d.isend, c10d.send
+
+    @functools.wraps(isend)
+    def counted_isend(tensor, *args, **kwargs):
+        if not in_send[0]:
+            sizes.append(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+
+    @functools.wraps(send)
+    def counted_send(tensor, *args, **kwargs):
+        sizes.append(tensor.numel() * tensor.element_size())
+        in_send[0] = True
+        try:
+            return send(tensor, *args, **kwargs)
+        finally:
+            in_send[0] = False
+
+    with patched([(module, name, new) for module in (dist, c10d)
+                  for name, new in (("isend", counted_isend), ("send", counted_send))]):
+        yield sizes
+
+
+@contextmanager
+def _no_messages() -> Iterator[None]:
+    """Inside the block every send and receive raises MessageBeforeRefusal."""
+    def refuse(name: str) -> Callable:
+        def call(*args, **kwargs):
+            raise MessageBeforeRefusal(f"called dist.{name}")
+        call.__name__ = name
+        return call
+
+    refusals = {name: refuse(name) for name in ("send", "recv", "isend", "irecv", "batch_isend_irecv")}
+    with patched([(module, name, call) for module in (dist, c10d) for name, call in refusals.items()]):
+        yield
+
+
+def _sizes(messages: list[int]) -> str:
+    return "/".join(str(size) for size in sorted(set(messages))) or "0"
