@@ -1,4 +1,5 @@
-"""The checks of assignment 09: a fused row-softmax kernel and an RMSNorm forward kernel, in Triton.
+"""The checks of assignment 09: a fused row-softmax kernel, an RMSNorm forward kernel and (the stretch) an
+online softmax for rows longer than one block, in Triton.
 
 Each check launches the learner's @triton.jit kernel itself, one program per row, on inputs chosen
 to catch the usual slips, and compares with plain torch math done here in float64 (never with
@@ -11,20 +12,32 @@ the assignment: solutions/09_gpu_kernels.ipynb.
     check_rmsnorm_kernel(rmsnorm_kernel)
         rmsnorm_kernel[(rows,)](x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
                                 BLOCK=BLOCK)
+    check_online_softmax_kernel(online_softmax_kernel)
+        online_softmax_kernel[(rows,)](x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK=BLOCK)
 
-BLOCK is n_cols rounded up to a power of two. The cases: a power-of-two row, a row that is not one
-(the padding lanes must neither win the max nor add to the sum or the mean), large values (exp
-overflows without the max subtracted), -inf entries (masked scores), tiny values (where eps
-matters), rows read through a stride (a slice x[:, :n] of a wider tensor) and written through
-another, bf16. The output is written into a larger buffer filled with a sentinel: a store
-without its mask, or through the wrong stride, changes values outside the rows, and the check
-says so.
+For the first two, BLOCK is n_cols rounded up to a power of two. Their cases: a power-of-two row, a
+row that is not one (the padding lanes must neither win the max nor add to the sum or the mean),
+rows read through a stride (a slice x[:, :n] of a wider tensor) and written through another, bf16;
+softmax adds large values (exp overflows without the max subtracted) and -inf entries (masked
+scores), RMSNorm tiny values (where eps matters) and a large eps. The output is written into a
+larger buffer filled with a sentinel: a store without its mask, or through the wrong stride,
+changes values outside the rows, and the check says so.
+
+The online softmax gets a BLOCK smaller than the row (a row of 3 to 5 blocks, a ragged last block,
+a row shorter than one block, 5000 columns in blocks of 1024), scores whose maximum rises block
+after block (the running sum must be rescaled each time), large values, -inf entries, a first
+block entirely -inf (the running max is still -inf after it), strides and bf16. In the Triton
+interpreter the check also counts what the kernel loads and stores (by patching the interpreter's
+load and store, for the launch only): at most BLOCK values per load, at most two loads and one
+store of each element (the online softmax's two passes). Compiled on a GPU, only the values are
+checked.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -32,7 +45,8 @@ from picotron import tolerance
 from picotron_course.checks import Report, max_abs_error, mismatch
 from picotron.kernels.runtime import INTERPRETED, kernel_device   # decides interpreter vs compiler, before any kernel
 
-__all__ = ["check_softmax_kernel", "check_rmsnorm_kernel", "SOFTMAX_CASES", "RMSNORM_CASES", "launch"]
+__all__ = ["check_softmax_kernel", "check_rmsnorm_kernel", "check_online_softmax_kernel", "SOFTMAX_CASES",
+           "RMSNORM_CASES", "ONLINE_SOFTMAX_CASES", "launch"]
 
 SENTINEL = -4096.0   # exact in bf16 too; fills the output buffer around the rows: any change is a store out of place
 # Elements of spare memory after every tensor a kernel gets. The interpreter does not check addresses:
@@ -44,7 +58,7 @@ SLACK = 16384
 SOFTMAX_CASES = [
     ("64 columns", 4, 64, torch.float32, None, 0, "randn"),
     ("100 columns: BLOCK 128, 28 padding lanes", 5, 100, torch.float32, None, 0, "randn"),
-    ("large values, up to 3000", 3, 50, torch.float32, None, 0, "large"),
+    ("large values, around 2000", 3, 50, torch.float32, None, 0, "large"),
     ("-inf entries (masked scores)", 4, 40, torch.float32, None, 0, "masked"),
     ("x[:, :70] of a (6, 96) tensor", 6, 70, torch.float32, 96, 0, "randn"),
     ("output rows 13 apart in memory", 3, 20, torch.float32, None, 13, "randn"),
@@ -59,6 +73,19 @@ RMSNORM_CASES = [
     ("x[:, :70] of a (6, 96) tensor", 6, 70, torch.float32, 96, 0, "randn", 1e-5),
     ("output rows 13 apart in memory", 3, 20, torch.float32, None, 13, "randn", 1e-5),
     ("bf16 x and weight", 4, 100, torch.bfloat16, None, 0, "randn", 1e-5),
+]
+# (name, rows, n_cols, BLOCK, dtype, x_row_stride or None, output padding, make)
+ONLINE_SOFTMAX_CASES = [
+    ("3 blocks", 3, 192, 64, torch.float32, None, 0, "randn"),
+    ("4.3 blocks: a ragged last block", 4, 275, 64, torch.float32, None, 0, "randn"),
+    ("the max rises in every block", 3, 256, 64, torch.float32, None, 0, "rising"),
+    ("large values, around 2000", 3, 200, 64, torch.float32, None, 0, "large"),
+    ("-inf entries (masked scores)", 4, 200, 64, torch.float32, None, 0, "masked"),
+    ("first block all -inf", 3, 250, 64, torch.float32, None, 0, "first block masked"),
+    ("fewer columns than BLOCK", 2, 50, 64, torch.float32, None, 0, "randn"),
+    ("x[:, :300] of a (3, 320) tensor", 3, 300, 128, torch.float32, 320, 13, "randn"),
+    ("bf16, 5 blocks", 3, 320, 64, torch.bfloat16, None, 0, "randn"),
+    ("5000 columns, BLOCK 1024", 2, 5000, 1024, torch.float32, None, 0, "randn"),
 ]
 
 
@@ -136,7 +163,9 @@ def _data(rows: int, n_cols: int, dtype: torch.dtype, stride: int | None, make: 
     width = stride or n_cols
     x = torch.randn(rows, width, generator=generator, dtype=torch.float32)
     if make == "large":
-        x = x * 1000.0 + 2000.0                # exp(3000) overflows fp32 (and fp64)
+        x = x * 1000.0 + 2000.0                # exp(2000) overflows fp32 (and fp64)
+    elif make == "rising":
+        x = x + torch.linspace(0.0, 40.0, width)          # every block raises the maximum
     elif make == "tiny":
         x = x * 1e-3                           # mean of squares 1e-6: eps = 1e-5 dominates it
     elif make == "masked":
@@ -217,9 +246,122 @@ def check_rmsnorm_kernel(rmsnorm_kernel) -> None:
                 BLOCK=_block(n_cols)), rstd=(rstd, rstd_expected))
 
 
+# ---- the stretch: online softmax ----------------------------------------------------------------------
+def check_online_softmax_kernel(online_softmax_kernel) -> None:
+    """Launch online_softmax_kernel with one program per row and a BLOCK smaller than the row, on each case of
+    ONLINE_SOFTMAX_CASES; compare with float64 torch.softmax. In the interpreter, also count the values it
+    loads and stores: at most BLOCK per load, two loads and one store per element."""
+    _not_the_course_answer("check_online_softmax_kernel", online_softmax_kernel)
+    where = "the Triton interpreter (CPU), loads and stores counted" if INTERPRETED else \
+        "a compiled GPU kernel (loads and stores not counted: the interpreter counts them)"
+    note = f"one program per row, BLOCK columns at a time, in {where}; expected = torch.softmax in float64"
+    with Report("online_softmax_kernel", note=note) as report:
+        for seed, (name, rows, n_cols, block, dtype, stride, padding, make) in enumerate(ONLINE_SOFTMAX_CASES):
+            x = _data(rows, n_cols, dtype, stride, "randn" if make == "first block masked" else make, 200 + seed)
+            if make == "first block masked":
+                x[:, :block] = float("-inf")          # a row that starts with masked keys (a padded prompt)
+            expected = torch.softmax(x.double(), dim=-1).to(dtype)
+            buffer, out = _output_buffer(rows, n_cols, padding, dtype)
+            counter = _MemoryCounter(reads_from=(x, buffer), writes_to=buffer)
+
+            def call(x=x, out=out, n_cols=n_cols, block=block, rows=rows, counter=counter):
+                with counter:
+                    launch(online_softmax_kernel, (rows,), x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block)
+
+            blocks = -(-n_cols // block)
+            _run_case(report, name, dtype, expected, buffer, out, x, call, n=n_cols + 2 * blocks + 2,
+                      traffic=lambda counter=counter, block=block, rows=rows, n_cols=n_cols: _online_traffic(
+                          counter, block, rows * n_cols))
+
+
+def _online_traffic(counter: "_MemoryCounter", block: int, elements: int) -> tuple[dict, list[str]]:
+    """The BLOCK column and, in the interpreter, the loads and stores per element; problems if over budget."""
+    columns = {"BLOCK": block}
+    if not counter.counted:
+        return columns, []
+    loads, stores = counter.loads / elements, counter.stores / elements
+    columns.update({"loads/elem": f"{loads:.2f}", "stores/elem": f"{stores:.2f}"})
+    problems = []
+    if counter.widest > block:
+        problems.append(f"one load read {counter.widest} values at once; BLOCK is {block}: walk the row BLOCK "
+                        "columns at a time")
+    if counter.loads > 2 * elements:
+        problems.append(f"each element was loaded {loads:.2f} times: at most 2 (a first pass keeps the running max "
+                        "and sum, a second writes the output)")
+    if counter.stores > elements:
+        problems.append(f"each element was stored {stores:.2f} times: once, in the second pass")
+    return columns, problems
+
+
+class _MemoryCounter:
+    """Within `with counter:`, count the values the Triton interpreter loads from the memory of `reads_from`
+    and stores into `writes_to` (masked-off lanes do not count), and the widest load. Compiled kernels
+    cannot be counted this way: `counted` stays False."""
+
+    def __init__(self, reads_from: tuple[torch.Tensor, ...], writes_to: torch.Tensor):
+        self.read_ranges = [_address_range(t) for t in reads_from]
+        self.write_range = _address_range(writes_to)
+        self.loads = self.stores = self.widest = 0
+        self.counted = False
+
+    def __enter__(self) -> "_MemoryCounter":
+        self._patch = _interpreter_memory_hooks(self) if INTERPRETED else None
+        if self._patch is not None:
+            self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._patch is not None:
+            self._patch.__exit__(*exc)
+            self.counted = self.loads > 0          # 0: loads the hook does not see (e.g. block pointers)
+        return False
+
+    def saw_load(self, addresses, mask) -> None:
+        inside = sum(((addresses >= lo) & (addresses < hi) & mask).sum() for lo, hi in self.read_ranges)
+        if inside:
+            self.loads += int(inside)
+            self.widest = max(self.widest, int(addresses.size))
+
+    def saw_store(self, addresses, mask) -> None:
+        lo, hi = self.write_range
+        self.stores += int(((addresses >= lo) & (addresses < hi) & mask).sum())
+
+
+def _address_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of t's whole storage (the spare room after it included)."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+@contextmanager
+def _interpreter_memory_hooks(counter: _MemoryCounter) -> Iterator[None]:
+    """Route the interpreter's masked loads and stores (plain ones go through them too) via `counter`."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def counted_load(ptrs, mask, *args, **kwargs):
+        counter.saw_load(np.asarray(ptrs.data), np.broadcast_to(np.asarray(mask.data), np.shape(ptrs.data)))
+        return load(ptrs, mask, *args, **kwargs)
+
+    def counted_store(ptrs, value, mask, *args, **kwargs):
+        counter.saw_store(np.asarray(ptrs.data), np.broadcast_to(np.asarray(mask.data), np.shape(ptrs.data)))
+        return store(ptrs, value, mask, *args, **kwargs)
+
+    builder.create_masked_load, builder.create_masked_store = counted_load, counted_store   # this instance only
+    try:
+        yield
+    finally:
+        del builder.create_masked_load, builder.create_masked_store    # back to the class's methods
+
+
 def _run_case(report: Report, name: str, dtype: torch.dtype, expected: torch.Tensor, buffer: torch.Tensor,
-              out: torch.Tensor, x: torch.Tensor, call: Callable[[], None], rstd=None) -> None:
-    """Run one launch and add its row: output (and rstd) against expected, and nothing written elsewhere."""
+              out: torch.Tensor, x: torch.Tensor, call: Callable[[], None], rstd=None, n: int | None = None,
+              traffic: Callable[[], tuple[dict, list[str]]] | None = None) -> None:
+    """Run one launch and add its row: output (and rstd) against expected, and nothing written elsewhere.
+    n: the roundings behind each fp32 output (default n_cols + 2); traffic(): extra columns and problems."""
     columns = {"case": name, "shape": tuple(out.shape), "dtype": dtype, "row strides": (x.stride(0), out.stride(0))}
     try:
         call()
@@ -230,8 +372,10 @@ def _run_case(report: Report, name: str, dtype: torch.dtype, expected: torch.Ten
         return
     actual = out.cpu()
     problems = []
-    if not _close(actual, expected.cpu(), dtype, out.shape[-1]):
+    if not _close(actual, expected.cpu(), dtype, out.shape[-1] if n is None else n):
         problems.append("y: " + mismatch(actual.double(), expected.cpu().double()))
+        if actual.isnan().any() and not expected.isnan().any():
+            problems.append("NaN in the output: an inf / inf, a 0 / 0 or an exp(-inf - (-inf)) somewhere")
     if rstd is not None:
         got, want = rstd[0].cpu(), rstd[1].cpu()
         if not tolerance.close_enough(got, want, n=out.shape[-1] + 2, dtype=torch.float32, tf32=False):
@@ -241,5 +385,9 @@ def _run_case(report: Report, name: str, dtype: torch.dtype, expected: torch.Ten
     if touched:
         problems.append(f"{touched} values outside the rows were overwritten: mask the store (cols < n_cols) and "
                         "address row r of the output at out_ptr + r * out_row_stride")
+    if traffic is not None:
+        more_columns, more_problems = traffic()
+        columns.update(more_columns)
+        problems += more_problems
     err = max_abs_error(actual.double().nan_to_num(nan=math.inf), expected.cpu().double())
     report.add(ok=not problems, detail="; ".join(problems), **columns, max_abs_err=err)
