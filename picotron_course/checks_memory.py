@@ -6,11 +6,15 @@ and never with picotron.memory or picotron.model.recompute, the code the assignm
     check_num_params(num_params)                         sum(p.numel()) of the model built on the meta device
     check_activation_bytes(activation_bytes_per_layer)   the storages autograd saves for one decoder layer
     check_recompute(recompute)                           gradients bit-equal to the plain ones; nothing saved inside
+    check_checkpoint_plan(peak_saved_bytes, checkpoint_plan)
+                                                         (stretch) the peak of every plan of a layer stack, measured;
+                                                         the fewest recomputed layers under a budget
 
-Activations are measured with saved-tensor hooks (`SavedStorages`): autograd hands every tensor it
-saves for backward to a pack hook, which notes its storage. Several saves of one storage (a view,
-or one tensor read by three matmuls) count once; parameters and the RoPE cos/sin rows, which all
-layers share, are not activations and are left out.
+Activations are measured with saved-tensor hooks (`SavedStorages`; picotron's `SavedActivations`
+for a peak over forward and backward): autograd hands every tensor it saves for backward to a
+pack hook, which notes its storage. Several saves of one storage (a view, or one tensor read by
+three matmuls) count once; parameters and the RoPE cos/sin rows, which all layers share, are not
+activations and are left out.
 
 No ranks here: everything runs in one process, on one thread. A wrong answer fails its row
 with a hint that names the likely mistake (a forgotten final norm, k and v as wide as q under
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import sys
 import weakref
 from contextlib import contextmanager
@@ -34,12 +39,13 @@ from torch import nn
 
 from picotron import tolerance
 from picotron.config import PRESETS, ModelConfig
-from picotron_course.checks import Report, one_thread
+from picotron.memory_tracking import SavedActivations
 from picotron.model import DecoderLayer, Llama, Rotary, eager_attention
 from picotron.model import recompute as course_recompute
+from picotron_course.checks import Report, one_thread
 
-__all__ = ["check_num_params", "check_activation_bytes", "check_recompute", "SavedStorages", "saved_by_layer",
-           "PARAM_SHAPES", "ACTIVATION_CASES", "RECOMPUTE_CASES"]
+__all__ = ["check_num_params", "check_activation_bytes", "check_recompute", "check_checkpoint_plan", "SavedStorages",
+           "saved_by_layer", "measure_plan", "PARAM_SHAPES", "ACTIVATION_CASES", "RECOMPUTE_CASES", "PLAN_SHAPES"]
 
 
 # ---- tools -----------------------------------------------------------------------------------
@@ -328,7 +334,7 @@ def _activation_hint(config: ModelConfig, batch: int, seq: int, a: int, got, mea
 SEQ = 64
 LAYER = ModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                     attention="eager")
-KEPT_BYTES_ALLOWED = 64  # "nothing" beyond the inputs, give or take a scalar
+KEPT_BYTES_ALLOWED = 0  # nothing beyond the inputs, as the task says (SavedStorages leaves out 0-dim scalars)
 
 
 def _sdpa(q, k, v):
@@ -472,4 +478,176 @@ def _recompute_verdict(plain: dict, yours: dict) -> tuple[bool, str]:
             return False, (f"{what}: the gradient differs from the plain one by "
                            f"{(got - expected).abs().max().item():.2e}; recompute with the same ops on the same "
                            "inputs and return their gradients")
+    return True, ""
+
+
+# ==== 4. stretch: which layers to recompute ======================================================
+# Stacks of decoder layers in fp32: sdpa and eager attention, GQA and multi-head, 4 and 5 layers. Each
+# stack is measured with every subset of its layers recomputed, so the check knows the peak of every
+# plan, and the fewest layers any plan needs under a budget, from measurements alone.
+_PLAN = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+PLAN_SHAPES = {  # name: (config, batch, seq)
+    "sdpa GQA 4/2, 4 layers": (ModelConfig(**_PLAN, num_key_value_heads=2, num_layers=4), 2, 16),
+    "eager GQA 4/2, 4 layers": (ModelConfig(**_PLAN, num_key_value_heads=2, num_layers=4, attention="eager"), 1, 24),
+    "sdpa MHA 4/4, 5 layers": (ModelConfig(**_PLAN, num_key_value_heads=4, num_layers=5), 2, 8),
+}
+MEMORY_TRACKING_FILE = importlib.util.find_spec("picotron.memory_tracking").origin
+
+
+class _PeakSaved(SavedActivations):
+    """picotron's peak of the bytes saved for backward, leaving out 0-dim tensors (a scalar divisor), as
+    SavedStorages does: 8 bytes no formula counts."""
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.dim() == 0 else super()._pack(tensor)
+
+
+def measure_plan(config: ModelConfig, batch: int, seq: int, recomputed) -> tuple[int, int]:
+    """(bytes saved at the end of forward, most bytes saved at once over forward and backward) for a stack
+    of config.num_layers decoder layers in fp32, the layers in `recomputed` wrapped whole for recomputation.
+
+    The wrapper is torch's reentrant checkpoint: like the Recompute of part 3, it saves its inputs with
+    save_for_backward and runs the layer again, recorded, in backward. Parameters and cos/sin are left out.
+    """
+    torch.manual_seed(0)
+    layers = [DecoderLayer(config) for _ in range(config.num_layers)]
+    cos, sin = Rotary(config)(torch.arange(seq)[None])
+    x0 = torch.randn(batch, seq, config.hidden_size, requires_grad=True)
+    with _PeakSaved(exclude=[cos, sin]) as saved:
+        x = x0 * 1.0  # the first layer's input comes out of an op, as the embedding's output does
+        for i, layer in enumerate(layers):
+            if i in recomputed:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=True)
+            else:
+                x = layer(x, cos, sin)
+        end_of_forward = saved.live_bytes
+        x.backward(torch.ones_like(x))  # inside the hooks: what a recomputation saves counts too
+    return end_of_forward, saved.peak
+
+
+def _every_plan(config: ModelConfig, batch: int, seq: int) -> dict[frozenset, tuple[int, int]]:
+    """measure_plan for every subset of the layers: 2^L small forward and backward passes."""
+    layers = range(config.num_layers)
+    return {frozenset(plan): measure_plan(config, batch, seq, set(plan))
+            for k in range(config.num_layers + 1) for plan in itertools.combinations(layers, k)}
+
+
+def _peak_plans(num_layers: int) -> list[tuple[int, ...]]:
+    """Plans whose peak the learner predicts: none, the first, the last, two apart, all but the last, all."""
+    last = num_layers - 1
+    return [(), (0,), (last,), (1, last), tuple(range(last)), tuple(range(num_layers))]
+
+
+def _budgets(peaks: list[int]) -> list[int]:
+    """Every peak some plan reaches (exactly: a plan at the budget fits), one between the two largest,
+    and one byte under the lowest (no plan fits)."""
+    levels = sorted(set(peaks))
+    between = (levels[-2] + levels[-1]) // 2 if len(levels) > 1 else levels[0] + 1
+    return [*levels[::-1], between, levels[0] - 1]
+
+
+def check_checkpoint_plan(peak_saved_bytes: Callable, checkpoint_plan: Callable) -> None:
+    """peak_saved_bytes(config, batch, seq, recomputed) equals the measured peak of the bytes a stack of
+    decoder layers saves for backward, over forward and backward, with the layers `recomputed` wrapped;
+    checkpoint_plan(config, batch, seq, budget) names the fewest layers whose measured peak fits the
+    budget, and raises ValueError when no plan fits."""
+    answers = {MEMORY_FILE: "picotron.memory", COSTS_FILE: "picotron.costs",
+               MEMORY_TRACKING_FILE: "picotron.memory_tracking (the check measures; you predict)",
+               DecoderLayer.forward.__code__: "a DecoderLayer (the peak comes from the shape; the check measures)"}
+    note = ("measured: bytes autograd saves for backward (distinct storages, parameters and cos/sin left out), fp32, "
+            "most at once over forward and backward, for every subset of the layers recomputed")
+    with Report("checkpoint_plan", note=note) as report, one_thread():
+        measured = {name: _every_plan(*shape) for name, shape in PLAN_SHAPES.items()}
+        for name, (config, batch, seq) in PLAN_SHAPES.items():
+            for plan in _peak_plans(config.num_layers):
+                _, peak = measured[name][frozenset(plan)]
+                with _refusing("peak_saved_bytes", answers):
+                    got = peak_saved_bytes(dataclasses.replace(config), batch, seq, list(plan))
+                ok = isinstance(got, int) and not isinstance(got, bool) and got == peak
+                detail = "" if ok else _peak_hint(measured[name], config, plan, got)
+                report.add(ok, detail, part="peak", shape=name, **{"b x s": f"{batch} x {seq}"},
+                           recomputed=list(plan), **{"measured (B)": f"{peak:,}", "yours (B)": _number(got)})
+        for name, (config, batch, seq) in PLAN_SHAPES.items():
+            peaks = measured[name]
+            for budget in _budgets([peak for _, peak in peaks.values()]):
+                fitting = [plan for plan, (_, peak) in peaks.items() if peak <= budget]
+                fewest = min(map(len, fitting), default=None)
+                with _refusing("checkpoint_plan", answers):
+                    try:
+                        got, error = checkpoint_plan(dataclasses.replace(config), batch, seq, budget), None
+                    except ValueError as e:
+                        got, error = None, e
+                ok, detail = _plan_verdict(peaks, config.num_layers, budget, fewest, got, error)
+                report.add(ok, detail, part="plan", shape=name,
+                           **{"b x s": f"{batch} x {seq}", "budget (B)": f"{budget:,}"},
+                           fewest="none fits" if fewest is None else fewest,
+                           yours="ValueError" if error else _show_plan(got), **{"its peak (B)": _plan_peak(peaks, got)})
+
+
+def _show_plan(plan) -> str:
+    return repr(plan) if not isinstance(plan, list) else str(plan)
+
+
+def _plan_peak(peaks: dict, plan) -> str:
+    key = frozenset(plan) if isinstance(plan, list) and all(isinstance(i, int) for i in plan) else None
+    return f"{peaks[key][1]:,}" if key in peaks else ""
+
+
+def _layer_and_input_bytes(peaks: dict, num_layers: int) -> tuple[int, int]:
+    """(what a stored layer keeps, what a recomputed one keeps), read off two measurements."""
+    layer = peaks[frozenset()][1] // num_layers
+    return layer, peaks[frozenset({0})][0] - (num_layers - 1) * layer
+
+
+def _peak_hint(peaks: dict, config: ModelConfig, plan: tuple, got) -> str:
+    if not isinstance(got, int) or isinstance(got, bool):
+        return f"return an int, a number of bytes (got {type(got).__name__} {got!r})"
+    end, peak = peaks[frozenset(plan)]
+    _, inputs = _layer_and_input_bytes(peaks, config.num_layers)
+    if got == end and peak > end:
+        return (f"{end:,} bytes is what the layers hold at the end of forward; this plan's peak comes later, in "
+                "backward: a recomputed layer's activations all come back while the layers below it still hold theirs")
+    if got - peak == inputs:
+        return ("off by one layer input: in fp32 the first RMSNorm saves the layer's input itself, so while a layer "
+                "is recomputed its input is one of the tensors it saves, not one more")
+    if got < peak and (peak - got) % inputs == 0:
+        return ("a recomputed layer still keeps its input, a*b*s*h bytes, from its forward until backward reaches "
+                f"it (off by {got - peak:+,} bytes)")
+    if not plan:
+        return f"off by {got - peak:+,} bytes with nothing recomputed: num_layers times part 2's count of one layer"
+    return f"off by {got - peak:+,} bytes; at the end of forward this plan holds {end:,} bytes (measured)"
+
+
+def _plan_verdict(peaks: dict, num_layers: int, budget: int, fewest, got, error) -> tuple[bool, str]:
+    lowest = min(peak for _, peak in peaks.values())
+    if error is not None:
+        if fewest is None:
+            return True, ""
+        example = sorted(min((plan for plan, (_, peak) in peaks.items() if peak <= budget and len(plan) == fewest),
+                             key=sorted))
+        return False, f"ValueError, but a plan fits: {example} (measured peak {peaks[frozenset(example)][1]:,} B)"
+    nothing_fits = (f"no plan fits in {budget:,} bytes (the lowest peak of any plan is {lowest:,}): raise "
+                    f"ValueError, do not return {got!r}")
+    valid = isinstance(got, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in got)
+    if fewest is None and not valid:
+        return False, nothing_fits
+    if not valid:
+        return False, f"return a list of layer indices (ints), not {got!r}"
+    if got != sorted(set(got)) or any(i < 0 or i >= num_layers for i in got):
+        return False, f"return each layer once, in increasing order, from 0 to {num_layers - 1}: got {got}"
+    end, peak = peaks[frozenset(got)]
+    if peak > budget:
+        if peak > end:
+            return False, (f"this plan peaks at {peak:,} B in backward, over the budget: when backward reaches a "
+                           "recomputed layer, its activations come back while every layer below it still holds its "
+                           f"own ({peak - end:+,} B over the end of forward)"
+                           + (f". And {nothing_fits}" if fewest is None else
+                              ". Which layers can you recompute without that spike?"))
+        return False, (f"at the end of forward these layers hold {end:,} B, over the budget: recompute more of them"
+                       if fewest is not None else nothing_fits)
+    if len(got) > fewest:
+        example = sorted(min((plan for plan, (_, p) in peaks.items() if p <= budget and len(plan) == fewest),
+                             key=sorted))
+        return False, (f"{len(got)} layers recomputed where {fewest} suffice ({example} peaks at "
+                       f"{peaks[frozenset(example)][1]:,} B): each recomputed layer costs one more forward of it")
     return True, ""

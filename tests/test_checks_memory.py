@@ -10,7 +10,8 @@ import torch
 
 from picotron.config import ModelConfig
 from picotron_course import checks_memory
-from picotron_course.checks_memory import SavedStorages, check_activation_bytes, check_num_params, check_recompute
+from picotron_course.checks_memory import (SavedStorages, check_activation_bytes, check_checkpoint_plan,
+                                           check_num_params, check_recompute, measure_plan)
 
 
 # ---- correct answers -------------------------------------------------------------------------
@@ -56,13 +57,28 @@ def ref_recompute(fn, *inputs):
     return RefRecompute.apply(fn, *inputs)
 
 
-@pytest.mark.parametrize("check, answer", [(check_num_params, ref_num_params),
-                                           (check_activation_bytes, ref_activation_bytes),
-                                           (check_recompute, ref_recompute),
-                                           (check_recompute, RefRecompute)],
-                         ids=["num_params", "activation_bytes", "recompute", "recompute_class"])
+def ref_peak_saved_bytes(config, batch, seq, recomputed):
+    layer, inputs = ref_activation_bytes(config, batch, seq), 4 * batch * seq * config.hidden_size
+    kept = [inputs if i in recomputed else layer for i in range(config.num_layers)]
+    spikes = [sum(kept[:i]) + layer for i in recomputed]  # in fp32 the input is one of the layer's own saves
+    return max([sum(kept), *spikes])
+
+
+def ref_checkpoint_plan(config, batch, seq, budget):
+    for k in range(config.num_layers):  # the lowest layers first; the last layer never helps
+        if ref_peak_saved_bytes(config, batch, seq, range(k)) <= budget:
+            return list(range(k))
+    raise ValueError(f"no plan fits in {budget} bytes")
+
+
+@pytest.mark.parametrize("check, answer", [(check_num_params, (ref_num_params,)),
+                                           (check_activation_bytes, (ref_activation_bytes,)),
+                                           (check_recompute, (ref_recompute,)),
+                                           (check_recompute, (RefRecompute,)),
+                                           (check_checkpoint_plan, (ref_peak_saved_bytes, ref_checkpoint_plan))],
+                         ids=["num_params", "activation_bytes", "recompute", "recompute_class", "checkpoint_plan"])
 def test_correct_answer_passes(check, answer, capsys):
-    check(answer)
+    check(*answer)
     out = capsys.readouterr().out
     assert "FAIL" not in out and " ok" in out
 
@@ -78,6 +94,17 @@ def test_checks_cover_the_cases_they_promise():
         assert 1 in ratios and len(ratios) >= 3  # MHA, GQA, MQA
         assert any(c.num_attention_heads * c.head_dim != c.hidden_size for c in kinds)
     assert {dtype for *_, dtype in checks_memory.ACTIVATION_CASES} == {torch.float32, torch.bfloat16}
+
+
+def test_plan_measurement_sees_the_recomputation_in_backward():
+    """The measured peak of the last layer alone recomputed is the peak without recomputation: the layer's
+    activations come back, in backward, while the three below still hold theirs."""
+    config, batch, seq = checks_memory.PLAN_SHAPES["sdpa GQA 4/2, 4 layers"]
+    layer, inputs = ref_activation_bytes(config, batch, seq), 4 * batch * seq * config.hidden_size
+    assert measure_plan(config, batch, seq, set()) == (4 * layer, 4 * layer)
+    assert measure_plan(config, batch, seq, {3}) == (3 * layer + inputs, 4 * layer)
+    assert measure_plan(config, batch, seq, {0, 1, 2, 3}) == (4 * inputs, 3 * inputs + layer)
+    assert {c.attention for c, _, _ in checks_memory.PLAN_SHAPES.values()} == {"sdpa", "eager"}
 
 
 def test_saved_storages_counts_each_storage_once_and_only_while_held():
@@ -238,6 +265,72 @@ def uses_the_course_answer(fn, *inputs):
     return recompute(fn, *inputs)
 
 
+# ---- planted wrong answers: the stretch, which layers to recompute -----------------------------------
+def peak_end_of_forward(config, batch, seq, recomputed):
+    """What the layers hold when forward ends: misses the layer rebuilt in backward."""
+    layer, inputs = ref_activation_bytes(config, batch, seq), 4 * batch * seq * config.hidden_size
+    return sum(inputs if i in recomputed else layer for i in range(config.num_layers))
+
+
+def peak_inputs_free(config, batch, seq, recomputed):
+    """A recomputed layer keeps nothing, not even its input."""
+    layer = ref_activation_bytes(config, batch, seq)
+    kept = [0 if i in recomputed else layer for i in range(config.num_layers)]
+    return max([sum(kept), *(sum(kept[:i]) + layer for i in recomputed)])
+
+
+def peak_input_twice(config, batch, seq, recomputed):
+    """The recomputed layer's input counted besides its activations (in fp32 it is one of them)."""
+    extra = 4 * batch * seq * config.hidden_size
+    layer = ref_activation_bytes(config, batch, seq)
+    kept = [extra if i in recomputed else layer for i in range(config.num_layers)]
+    return max([sum(kept), *(sum(kept[:i]) + extra + layer for i in recomputed)])
+
+
+def peak_asks_picotron(config, batch, seq, recomputed):
+    from picotron.costs import activation_bytes_per_layer as layer_bytes  # renamed: still caught
+    layer, inputs = layer_bytes(config, batch, seq), 4 * batch * seq * config.hidden_size
+    kept = [inputs if i in recomputed else layer for i in range(config.num_layers)]
+    return max([sum(kept), *(sum(kept[:i]) + layer for i in recomputed)])
+
+
+def plan_top_layers(config, batch, seq, budget):
+    """The right count, the wrong end: the last layers, rebuilt while all below still hold theirs."""
+    plan = ref_checkpoint_plan(config, batch, seq, budget)
+    return list(range(config.num_layers - len(plan), config.num_layers))
+
+
+def plan_end_of_forward(config, batch, seq, budget):
+    """Counts only what forward leaves, so it may recompute every layer, and picks too few."""
+    for k in range(config.num_layers + 1):
+        if peak_end_of_forward(config, batch, seq, range(k)) <= budget:
+            return list(range(k))
+    raise ValueError("no plan fits")
+
+
+def plan_strictly_under(config, batch, seq, budget):
+    """A plan that reaches the budget exactly fits; this one wants to stay below it."""
+    return ref_checkpoint_plan(config, batch, seq, budget - 1)
+
+
+def plan_none_when_nothing_fits(config, batch, seq, budget):
+    try:
+        return ref_checkpoint_plan(config, batch, seq, budget)
+    except ValueError:
+        return None
+
+
+def plan_top_down(config, batch, seq, budget):
+    return ref_checkpoint_plan(config, batch, seq, budget)[::-1]
+
+
+def stretch(peak=ref_peak_saved_bytes, plan=ref_checkpoint_plan):
+    """check_checkpoint_plan with one of the two functions wrong (the checks below call check(answer))."""
+    def check(_):
+        check_checkpoint_plan(peak, plan)
+    return check
+
+
 WRONG_ANSWERS = [
     (check_num_params, np_no_final_norm, "final RMSNorm is missing"),
     (check_num_params, np_tied_twice, "tied embedding is counted twice"),
@@ -262,8 +355,17 @@ WRONG_ANSWERS = [
     (check_recompute, ForgetsNoneForFn, "None for fn"),
     (check_recompute, uses_torch_checkpoint, "torch.utils.checkpoint, which does this exercise for you"),
     (check_recompute, uses_the_course_answer, "picotron.model.recompute, which does this exercise for you"),
+    (stretch(peak=peak_end_of_forward), peak_end_of_forward, "peak comes later, in backward"),
+    (stretch(peak=peak_inputs_free), peak_inputs_free, "a recomputed layer still keeps its input"),
+    (stretch(peak=peak_input_twice), peak_input_twice, "its input is one of the tensors it saves"),
+    (stretch(peak=peak_asks_picotron), peak_asks_picotron, "picotron.costs, which does this exercise for you"),
+    (stretch(plan=plan_top_layers), plan_top_layers, "peaks at .* B in backward, over the budget"),
+    (stretch(plan=plan_end_of_forward), plan_end_of_forward, "peaks at .* B in backward, over the budget"),
+    (stretch(plan=plan_strictly_under), plan_strictly_under, "suffice"),
+    (stretch(plan=plan_none_when_nothing_fits), plan_none_when_nothing_fits, "raise ValueError, do not return None"),
+    (stretch(plan=plan_top_down), plan_top_down, "in increasing order"),
 ]
-REFUSED = (np_asks_the_config, act_asks_picotron, uses_torch_checkpoint, uses_the_course_answer)
+REFUSED = (np_asks_the_config, act_asks_picotron, uses_torch_checkpoint, uses_the_course_answer, peak_asks_picotron)
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")  # NotDetached's
@@ -295,6 +397,6 @@ def test_unsolved_exercise_goes_through_as_not_implemented():
             raise NotImplementedError("backward: write this part")
 
     for check, answer in ((check_num_params, stub), (check_activation_bytes, stub), (check_recompute, stub),
-                          (check_recompute, StubRecompute)):
+                          (check_recompute, StubRecompute), (stretch(peak=stub), None), (stretch(plan=stub), None)):
         with pytest.raises(NotImplementedError):
             check(answer)
