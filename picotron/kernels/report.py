@@ -5,6 +5,7 @@ so it sets that up itself, before anything imports picotron.kernels):
 
     python -m picotron.kernels.report            # a markdown table, one row per kernel version
     python -m picotron.kernels.report --json     # the same as JSON
+    python -m picotron.kernels.report --only attention   # the kernels whose name contains "attention"
 
 Triton compiles for any NVIDIA target on any machine: triton.compile(..., target=GPUTarget("cuda", 90, 32))
 runs the whole pipeline down to the cubin an H100 would load. Its `asm` holds every stage (ttir, ttgir, llir,
@@ -80,6 +81,14 @@ def _cuobjdump(*args: str) -> str:
     return done.stdout
 
 
+def _jit_function(kernel):
+    """The JITFunction inside an autotuned (or heuristics) kernel; a plain @triton.jit kernel is one."""
+    from triton.runtime.jit import JITFunction
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
 def compile_report(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int = 3, *, arch: int = 90,
                    name: str | None = None) -> CompileReport:
     """Compile `kernel` (a @triton.jit function, not interpreted) for sm_`arch` and read its cubin.
@@ -90,10 +99,7 @@ def compile_report(kernel, types: dict[str, str], constexprs: dict, warps: int, 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from triton.runtime.jit import JITFunction
-    fn = kernel
-    while not isinstance(fn, JITFunction):        # an autotuned (or heuristics) kernel wraps the JITFunction
-        fn = fn.fn
+    fn = _jit_function(kernel)
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
@@ -167,10 +173,14 @@ def main(argv: list[str] | None = None) -> list[CompileReport]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 and H200)")
+    parser.add_argument("--only", default="", help="only the kernels whose name contains this (e.g. attention)")
     args = parser.parse_args(argv)
     _compiler_mode()
+    builds = [build for build in h100_builds() if args.only in _jit_function(build[0]).__name__]
+    if not builds:
+        raise SystemExit(f"no kernel's name contains {args.only!r}")
     reports = [compile_report(kernel, types, constexprs, warps, stages, arch=args.arch)
-               for kernel, types, constexprs, warps, stages in h100_builds()]
+               for kernel, types, constexprs, warps, stages in builds]
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in reports], indent=1))
     else:
