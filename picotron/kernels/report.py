@@ -140,6 +140,8 @@ def h100_builds() -> list[tuple]:
         (rmsnorm.rmsnorm_forward_kernel_v2, norm, dict(ROWS=2, BLOCK=2048), 8, 3),
         (rmsnorm.rmsnorm_backward_kernel_v1, dict(dy_ptr=b16, x_ptr=b16, w_ptr=b16, rstd_ptr=p32, dx_ptr=b16,
                                                   dw_partial_ptr=p32), dict(ROWS=2, BLOCK=2048), 8, 3),
+        (rmsnorm.rmsnorm_backward_kernel_v2, dict(dy_ptr=b16, x_ptr=b16, w_ptr=b16, rstd_ptr=p32, dx_ptr=b16,
+                                                  dw_partial_ptr=p32), dict(ROWS=2, BLOCK=2048, STAGES=3), 8, 3),
     ]
     tensors = {name: b16 for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr")}
     tensors.update(lse_ptr=p32, delta_ptr=p32, qk_scale="fp32", scale="fp32")
