@@ -8,8 +8,14 @@ rank should own. Nothing here uses picotron.parallel.zero, the module the assign
     check_shard_range(shard_range)        equal shards of a buffer padded to a multiple of N (one process)
     check_zero1(Zero1)                    5 AdamW steps: reduce-scatter, step the shard, all-gather
     check_zero3_forward(Zero3Unit)        one forward: every unit gathered before, freed after
-    check_zero3_training(Zero3Unit)       4 AdamW steps on the shards: gathered again for backward,
-                                          gradients reduce-scattered into the shards, everything freed
+    check_zero3_training(Zero3Unit)       4 AdamW steps on the shards, the last over 2 micro-batches:
+                                          gathered again for backward, gradients reduce-scattered into
+                                          the shards (and added there), everything freed
+    check_clip_grad_norm(clip)            (stretch) the global gradient norm from sharded gradients,
+                                          against torch.nn.utils.clip_grad_norm_ in one process
+
+and `zero1_write_back_demo()`, the predict-then-run problem: what ZeRO-1 does when the updated
+shards are not all-gathered back into the model.
 
 Inside the ranks, `recorded_collectives` wraps torch.distributed's collectives (and the names
 picotron.comm calls them by) to note every call: which operation, the payload bytes this rank
@@ -29,6 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -44,8 +51,9 @@ from picotron_course.checks import (Report, close_enough, close_in_training, max
                                     one_thread, patched)
 from picotron.model import Llama, loss_fn
 
-__all__ = ["check_shard_range", "check_zero1", "check_zero3_forward", "check_zero3_training",
-           "recorded_collectives", "unit_params", "WrongCollectiveUse", "ZERO_MODELS", "WORLD"]
+__all__ = ["check_shard_range", "check_zero1", "check_zero3_forward", "check_zero3_training", "check_clip_grad_norm",
+           "zero1_write_back_demo", "recorded_collectives", "unit_params", "WrongCollectiveUse", "ZERO_MODELS",
+           "WORLD"]
 
 WORLD = 4
 # Two small Llamas with tied embeddings: 2 layers and 26784 parameters (a multiple of 4), and an odd
@@ -58,6 +66,7 @@ ZERO_MODELS = {
 }
 SEQ, BATCH_PER_RANK, LR = 12, 2, 1e-2
 ZERO1_STEPS, ZERO3_STEPS = 5, 4
+ACCUMULATE = 2          # the ZeRO-3 check's last step: 2 micro-batches of 1 sequence, gradients accumulated
 WEIGHT_TOL = tolerance.ADAM_WEIGHTS_ATOL  # weights after several Adam steps: Adam amplifies round-off (1e-4)
 # Roundings behind one logit of either model on the global batch (picotron.tolerance).
 ROUNDINGS = max(tolerance.llama_roundings(config, SEQ, WORLD * BATCH_PER_RANK * SEQ)
@@ -262,10 +271,24 @@ def check_shard_range(shard_range: Callable[[int, int, int], tuple]) -> None:
         for numel, world in SHARD_CASES:
             k = -(-numel // world)
             expected = [(rank * k, (rank + 1) * k) for rank in range(world)]
-            actual = [shard_range(numel, rank, world) for rank in range(world)]
+            actual = [_as_pair(shard_range(numel, rank, world)) for rank in range(world)]
             detail = _shard_problem(actual, expected, numel, world, k)
             report.add(not detail, detail, numel=numel, world=world, padded=world * k, expected=_short(expected),
                        actual=_short(actual))
+
+
+def _as_pair(answer):
+    """(start, stop) as two Python ints when `answer` is any pair of whole numbers (a tuple, a list, numpy or
+    torch integers); otherwise `answer` itself, for the message."""
+    if isinstance(answer, torch.Tensor) and answer.numel() == 2 and not answer.is_floating_point():
+        answer = answer.tolist()
+    if isinstance(answer, (tuple, list)) and len(answer) == 2:
+        try:
+            if not any(isinstance(x, (bool, float)) for x in answer):
+                return tuple(operator.index(x) for x in answer)
+        except TypeError:
+            pass
+    return answer
 
 
 def _short(actual: list) -> str:
@@ -302,8 +325,8 @@ def check_zero1(Zero1: type) -> None:
             "padded gradient buffer, the all-gather one shard (wire: (N-1)/N of the buffer each, together "
             "the 2(N-1)/N of data parallelism's all-reduce)")
     with Report("Zero1", note=note) as report:
-        references = {name: _reference(name, ZERO1_STEPS) for name in ZERO_MODELS}  # first: AdamW's imports
-        results = on_ranks(_zero1_on_rank, WORLD, Zero1, list(ZERO_MODELS))
+        results = on_ranks(_zero1_on_rank, WORLD, Zero1, list(ZERO_MODELS))   # first: an unsolved step() fails fast
+        references = {name: _reference(name, ZERO1_STEPS) for name in ZERO_MODELS}
         for i, name in enumerate(ZERO_MODELS):
             per_rank = [rank[i] for rank in results]
             ref = references[name]
@@ -333,17 +356,19 @@ def _zero1_on_rank(Zero1: type, names: list) -> list:
         try:
             zero = Zero1(model, dist.group.WORLD, LR)
             _not_the_course_answer("check_zero1", zero)
-            losses, grads, comm = [], [], []
+            losses, grads, comm, seen = [], [], [], []
+            # param_shard.grad as the optimizer sees it, when step() calls it (step() may drop it afterwards)
+            zero.optimizer.register_step_pre_hook(functools.partial(_grad_at_step, zero, seen))
             for step in range(ZERO1_STEPS):
                 tokens = _tokens(name, step, rank)
                 loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
                 loss.backward()
                 losses.append(loss.item())
+                seen.clear()
                 with recorded_collectives() as calls:
                     zero.step()
                 comm.append(_per_op(calls))
-                grad = getattr(getattr(zero, "param_shard", None), "grad", None)
-                grads.append(None if grad is None else grad.detach().clone())
+                grads.append(seen[-1] if seen else "no step")
                 zero.zero_grad()
         except WrongCollectiveUse as e:
             out.append({"error": str(e)})
@@ -353,11 +378,16 @@ def _zero1_on_rank(Zero1: type, names: list) -> list:
     return out
 
 
+def _grad_at_step(zero, seen: list, optimizer, args, kwargs) -> None:
+    grad = getattr(getattr(zero, "param_shard", None), "grad", None)
+    seen.append(None if grad is None else grad.detach().clone())
+
+
 def _zero1_problem(per_rank: list, ref: dict, shard: int) -> tuple[str, tuple[float, float]]:
     nan = (math.nan, math.nan)
     if "error" in per_rank[0]:
         return f"step(): {per_rank[0]['error']}", nan
-    grad_err = max((max_abs_error(g, _shard(want, r)) if g is not None else math.inf)
+    grad_err = max((max_abs_error(g, _shard(want, r)) if isinstance(g, torch.Tensor) else math.inf)
                    for r, got in enumerate(per_rank) for g, want in zip(got["grads"], ref["grads"]))
     weight_err = max(max_abs_error(got["weights"], ref["weights"]) for got in per_rank)
     errors = (grad_err, weight_err)
@@ -377,9 +407,12 @@ def _zero1_problem(per_rank: list, ref: dict, shard: int) -> tuple[str, tuple[fl
     for rank, result in enumerate(per_rank):
         for step, (g, want) in enumerate(zip(result["grads"], ref["grads"])):
             want = _shard(want, rank)
+            if isinstance(g, str):
+                return (f"step {step}: step() never called self.optimizer.step(), the AdamW over param_shard that "
+                        "__init__ made"), errors
             if g is None:
-                return (f"after step() param_shard.grad is None: give the optimizer the averaged gradient "
-                        "shard (self.param_shard.grad = ...) before self.optimizer.step()"), errors
+                return ("when step() called self.optimizer.step(), param_shard.grad was None: give the optimizer "
+                        "the averaged gradient shard (self.param_shard.grad = ...) before that call"), errors
             if not close_in_training(g, want):
                 return (f"rank {rank}, step {step}: param_shard.grad is not this rank's shard of the gradient "
                         f"averaged over ranks{_sum_hint(g, want)}: {mismatch(g, want)}"), errors
@@ -560,7 +593,7 @@ def _zero3_forward_problem(per_rank: list, expected: list, sizes: list) -> tuple
 
 def _zero3_gather_problem(ops: dict, sizes: list, per_forward: int) -> str:
     units, shard_bytes = len(sizes), sum(_padded(n) // WORLD * 4 for n in sizes)
-    when = "forward" if per_forward == 1 else "step (forward and backward)"
+    when = "forward" if per_forward == 1 else "forward and backward"
     calls, nbytes = ops.get("all_gather", (0, 0))
     if calls == 0:
         return (f"no all-gather ran during the {when}: gather_params must all-gather every rank's unit.shard into "
@@ -573,15 +606,18 @@ def _zero3_gather_problem(ops: dict, sizes: list, per_forward: int) -> str:
 
 # ---- 4. ZeRO-3 training ----------------------------------------------------------------------------
 def check_zero3_training(Zero3Unit: type) -> None:
-    """4 AdamW steps on the units' shards, 4 ranks: after backward every shard's gradient is the mean
-    over ranks of its slice, no full parameter or full gradient is left; per step 2 all-gathers and
-    1 reduce-scatter per unit, no all-reduce; losses and weights equal one process's."""
+    """4 AdamW steps on the units' shards, 4 ranks, the last step over 2 micro-batches with no zero_grad
+    between them: after each step's backward every shard's gradient is the mean over ranks of its slice
+    (over the whole step's batch), no full parameter or full gradient is left after any backward; per
+    forward and backward 2 all-gathers and 1 reduce-scatter per unit, no all-reduce; losses and weights
+    equal one process's."""
     _not_the_course_answer("check_zero3_training", Zero3Unit)
-    note = (f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps over the units' shards. Per step each unit all-gathers its "
-            "shard twice (forward, backward) and reduce-scatters its gradient once: the Playbook's 3 x Psi")
+    note = (f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps over the units' shards, the last over {ACCUMULATE} "
+            "micro-batches. Per forward and backward each unit all-gathers its shard twice and reduce-scatters its "
+            "gradient once: the Playbook's 3 x Psi")
     with Report("Zero3Unit training", note=note) as report:
-        references = {name: _reference(name, ZERO3_STEPS) for name in ZERO_MODELS}  # first: AdamW's imports
         results = on_ranks(_zero3_train_on_rank, WORLD, Zero3Unit, list(ZERO_MODELS))
+        references = {name: _reference(name, ZERO3_STEPS) for name in ZERO_MODELS}
         for i, name in enumerate(ZERO_MODELS):
             per_rank = [rank[i] for rank in results]
             ref = references[name]
@@ -591,10 +627,15 @@ def check_zero3_training(Zero3Unit: type) -> None:
             calls = {op: (max(step.get(op, (0, 0))[0] for step in got["comm"]) if "comm" in got else "-")
                      for op in ("all_gather", "reduce_scatter", "all_reduce")}
             report.add(not detail, detail, model=name, units=len(sizes),
-                       **{"all-gathers/step": calls["all_gather"], "reduce-scatters/step": calls["reduce_scatter"],
-                          "all-reduces/step": calls["all_reduce"],
+                       **{"all-gathers/pass": calls["all_gather"], "reduce-scatters/pass": calls["reduce_scatter"],
+                          "all-reduces/pass": calls["all_reduce"],
                           "held after bwd (B)": max(got["held"]) if "held" in got else "-"},
                        max_grad_err=errors[0], max_loss_err=errors[1], max_weight_err=errors[2])
+
+
+def _micro_batches(step: int) -> int:
+    """Micro-batches of a training step of the ZeRO-3 check: the last step accumulates gradients over 2."""
+    return ACCUMULATE if step == ZERO3_STEPS - 1 else 1
 
 
 def _zero3_train_on_rank(Zero3Unit: type, names: list) -> list:
@@ -606,15 +647,19 @@ def _zero3_train_on_rank(Zero3Unit: type, names: list) -> list:
             optimizer = torch.optim.AdamW([unit.shard for unit in units], lr=LR)
             losses, grads, comm, held, full_grads = [], [], [], [], []
             for step in range(ZERO3_STEPS):
-                tokens, phase = _tokens(name, step, rank), "forward"
-                with recorded_collectives() as calls, guard.reads():
-                    loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-                    phase = "backward"
-                    loss.backward()
-                losses.append(loss.item())
-                comm.append(_per_op(calls))
-                held.append(_held(units))
-                full_grads.append(sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None))
+                micro = _micro_batches(step)
+                step_loss = 0.0
+                for i, part in enumerate(_tokens(name, step, rank).chunk(micro)):  # no zero_grad in between
+                    phase = "forward" if micro == 1 else f"micro-batch {i}, forward"
+                    with recorded_collectives() as calls, guard.reads():
+                        loss = loss_fn(model(part[:, :-1]), part[:, 1:]) / micro   # equal sizes: mean of means
+                        phase = phase.replace("forward", "backward")
+                        loss.backward()
+                    step_loss += loss.item()
+                    comm.append(_per_op(calls))        # per forward and backward pass
+                    held.append(_held(units))
+                    full_grads.append(sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None))
+                losses.append(step_loss)
                 grads.append([None if unit.shard.grad is None else unit.shard.grad.detach().clone() for unit in units])
                 optimizer.step()
                 optimizer.zero_grad()
@@ -645,10 +690,11 @@ def _zero3_train_problem(per_rank: list, ref: dict, sizes: list) -> tuple[str, t
         return (f"after backward the parameters still hold {max(got['full_grads'])} elements of full gradients "
                 "(p.grad): reduce_scatter_grads must drop them (p.grad = None) once their average is in the shard"), \
             errors
-    for step, ops in enumerate(got["comm"]):
+    passes = [(step, i) for step in range(ZERO3_STEPS) for i in range(_micro_batches(step))]
+    for (step, i), ops in zip(passes, got["comm"]):
         problem = _zero3_step_comm_problem(ops, sizes)
         if problem:
-            return f"step {step}: {problem}", errors
+            return f"step {step}{f', micro-batch {i}' if _micro_batches(step) > 1 else ''}: {problem}", errors
     for rank, result in enumerate(per_rank):
         for step, per_unit in enumerate(result["grads"]):
             for u, (g, want) in enumerate(zip(per_unit, ref["unit_grads"][step])):
@@ -657,6 +703,11 @@ def _zero3_train_problem(per_rank: list, ref: dict, sizes: list) -> tuple[str, t
                     return (f"unit {u}'s shard.grad is None after backward: reduce_scatter_grads must put the "
                             "averaged gradient shard in unit.shard.grad"), errors
                 if not close_in_training(g, want):
+                    if _micro_batches(step) > 1:
+                        return (f"rank {rank}, step {step}, unit {u}: this step ran {_micro_batches(step)} micro-batches "
+                                "with no zero_grad between them, and shard.grad is not the sum of their averaged "
+                                "gradient shards: add the new shard to unit.shard.grad when a gradient is already "
+                                f"there{_sum_hint(g, want)}. {mismatch(g, want)}"), errors
                     return (f"rank {rank}, step {step}, unit {u}: shard.grad is not this rank's shard of the gradient "
                             f"averaged over ranks{_sum_hint(g, want)}: {mismatch(g, want)}"), errors
     if loss_err > tolerance.LOSS_ATOL:   # fp32 losses: 1e-5
@@ -684,3 +735,335 @@ def _zero3_step_comm_problem(ops: dict, sizes: list) -> str:
         return (f"{calls} reduce-scatters of {nbytes} bytes for {len(sizes)} units; expected one per unit, of its "
                 f"whole padded flat gradient: {len(sizes)} calls, {grad_bytes} bytes")
     return ""
+
+
+# ---- 5. stretch: clipping sharded gradients by the global norm ----------------------------------
+JUNK = 100.0          # what the check writes into the padding of every shard's gradient
+CLIP_EPS = 1e-6       # torch.nn.utils.clip_grad_norm_: coefficient = max_norm / (norm + 1e-6), at most 1
+
+
+def _odd_model_unit_grads() -> list[torch.Tensor]:
+    """The averaged gradient of each ZeRO-3 unit of the "odd sizes" model on the global batch of step 0,
+    flat and unpadded (710 and 640 elements): what the ranks' shards hold after the reduce-scatter."""
+    model = _model("odd sizes")
+    batch = torch.cat([_tokens("odd sizes", 0, rank) for rank in range(WORLD)])
+    loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    return [_flat([p.grad for p in params]) for _, _, params in unit_params(model)]
+
+
+def _random_buffers(numels: list[int], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=generator) * (i + 1) for i, n in enumerate(numels)]
+
+
+def _clip_cases() -> list[dict]:
+    """Each case: the groups of ranks, per group its buffers (flat, unpadded averaged gradients) and max_norm."""
+    with one_thread():
+        unit_grads = _odd_model_unit_grads()
+    norm = torch.linalg.vector_norm(torch.cat(unit_grads)).item()
+    tiny = _random_buffers([3, 13, 1], seed=1)          # on 4 ranks: whole shards of padding
+    pairs = [_random_buffers([7, 10, 5], seed=2), _random_buffers([7, 10, 5], seed=3)]
+
+    def clipped_at(fraction, buffers):
+        return fraction * torch.linalg.vector_norm(torch.cat(buffers)).item()
+    return [
+        {"case": "odd model's units, clipped", "groups": [[0, 1, 2, 3]], "buffers": [unit_grads],
+         "max_norm": [0.5 * norm]},
+        {"case": "odd model's units, below max_norm", "groups": [[0, 1, 2, 3]], "buffers": [unit_grads],
+         "max_norm": [2.0 * norm]},
+        {"case": "buffers of 3, 13 and 1", "groups": [[0, 1, 2, 3]], "buffers": [tiny],
+         "max_norm": [clipped_at(0.25, tiny)]},
+        {"case": "two groups of 2", "groups": [[0, 1], [2, 3]], "buffers": pairs,
+         "max_norm": [clipped_at(0.5, buffers) for buffers in pairs]},
+    ]
+
+
+def _torch_clip(buffers: list[torch.Tensor], max_norm: float) -> tuple[float, list[torch.Tensor]]:
+    """One process: torch.nn.utils.clip_grad_norm_ over parameters whose gradients are the buffers."""
+    params = [nn.Parameter(torch.zeros_like(flat)) for flat in buffers]
+    for p, flat in zip(params, buffers):
+        p.grad = flat.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.item(), [p.grad for p in params]
+
+
+def check_clip_grad_norm(clip_grad_norm_sharded: Callable) -> None:
+    """clip_grad_norm_sharded(shards, numels, max_norm, group) on 4 ranks (one group of 4, and two groups
+    of 2): every rank returns the global norm of the unpadded gradients, scales its shards' gradients
+    in place by min(1, max_norm / (norm + 1e-6)), and makes one all-reduce (sum) of a single number;
+    against torch.nn.utils.clip_grad_norm_ in one process. The padding holds junk (100.0)."""
+    note = (f"{WORLD} ranks; each rank's shards of flat gradient buffers, their padding filled with {JUNK:g}; "
+            "expected: torch.nn.utils.clip_grad_norm_ on the unpadded buffers, in one process")
+    with Report("clip_grad_norm_sharded", note=note) as report:
+        cases = _clip_cases()
+        results = on_ranks(_clip_on_rank, WORLD, clip_grad_norm_sharded, cases)
+        for c, case in enumerate(cases):
+            per_rank = [rank[c] for rank in results]
+            for g, (members, buffers, max_norm) in enumerate(zip(case["groups"], case["buffers"], case["max_norm"])):
+                want_norm, want_grads = _torch_clip(buffers, max_norm)
+                got = [per_rank[r] for r in members]
+                detail, err = _clip_problem(got, buffers, max_norm, want_norm, want_grads, len(case["groups"]) > 1)
+                calls = got[0].get("calls", [])
+                report.add(not detail, detail, case=case["case"], ranks=str(members),
+                           numels=str([b.numel() for b in buffers]), max_norm=max_norm, norm=want_norm,
+                           **{"rank's norm": got[0].get("norm", "-"), "collectives": len(calls),
+                              "sent (B)": sum(nbytes for _, nbytes, _ in calls)}, max_err=err)
+
+
+def _clip_on_rank(clip: Callable, cases: list) -> list:
+    rank, out, groups = dist.get_rank(), [], {}
+    for case in cases:
+        for members in case["groups"]:          # every rank makes every group, in the same order
+            if tuple(members) not in groups:
+                groups[tuple(members)] = (dist.group.WORLD if len(members) == dist.get_world_size()
+                                          else dist.new_group(members))
+    for case in cases:
+        g = next(i for i, members in enumerate(case["groups"]) if rank in members)
+        members, buffers = case["groups"][g], case["buffers"][g]
+        world, place = len(members), members.index(rank)
+        shards = []
+        for flat in buffers:
+            k = -(-flat.numel() // world)
+            padded = torch.full((world * k,), JUNK)
+            padded[:flat.numel()] = flat
+            shard = nn.Parameter(torch.zeros(k))                      # (k,): this rank's parameter shard
+            shard.grad = padded[place * k:(place + 1) * k].clone()    # its averaged gradient, padding and all
+            shards.append(shard)
+        try:
+            with recorded_collectives() as calls:
+                norm = clip(shards, [flat.numel() for flat in buffers], case["max_norm"][g], groups[tuple(members)])
+        except WrongCollectiveUse as e:
+            out.append({"error": str(e)})
+            continue
+        out.append({"norm": _as_number(norm), "grads": [None if s.grad is None else s.grad.detach().clone()
+                                                        for s in shards],
+                    "calls": [(call.op, call.nbytes, call.reduce) for call in calls]})
+    return out
+
+
+def _as_number(value):
+    """A returned norm as a float (a Python number or a one-element tensor), else a description."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return f"{type(value).__name__}: {value!r}"[:60]
+
+
+def _clip_problem(got: list, buffers: list, max_norm: float, want_norm: float, want_grads: list,
+                  grouped: bool) -> tuple[str, float]:
+    if "error" in got[0]:
+        return got[0]["error"], math.nan
+    total = sum(b.numel() for b in buffers)
+    calls = got[0]["calls"]
+    problem = _clip_calls_problem(calls)
+    if problem:
+        return problem, math.nan
+    norms = [result["norm"] for result in got]
+    if any(isinstance(n, str) for n in norms):
+        return f"return the total norm of the gradients (a float or a 0-d tensor), not {norms[0]}", math.nan
+    result = tolerance.compare(norms[0], want_norm, n=total, dtype=torch.float32)
+    if not result or len(set(norms)) > 1:
+        return _wrong_norm(norms, buffers, want_norm, grouped) + f" ({result})", abs(norms[0] - want_norm)
+    err, worst = 0.0, None
+    for b, (flat, want) in enumerate(zip(buffers, want_grads)):
+        k = -(-flat.numel() // len(got))
+        pieces = [result["grads"][b] for result in got]
+        if any(piece is None or piece.shape != (k,) for piece in pieces):
+            return (f"buffer {b}: shard.grad is None or changed shape after the call: scale it in place "
+                    "(shard.grad.mul_(coefficient))"), math.nan
+        real = torch.cat(pieces)[:flat.numel()]
+        err = max(err, max_abs_error(real, want))
+        if worst is None and not tolerance.close_enough(real, want, n=total):
+            worst = (b, real, want, flat)
+    if worst is None:
+        return "", err
+    b, real, want, flat = worst
+    coefficient = min(1.0, max_norm / (want_norm + CLIP_EPS))
+    if torch.equal(real, flat) and coefficient < 1:
+        return (f"the gradients were not scaled: the norm {want_norm:.4g} is above max_norm {max_norm:.4g}, so every "
+                f"shard.grad must be multiplied, in place, by max_norm / (norm + 1e-6) = {coefficient:.4g}"), err
+    if coefficient == 1 and tolerance.close_enough(real, flat * max_norm / (want_norm + CLIP_EPS), n=total):
+        return (f"the norm {want_norm:.4g} is below max_norm {max_norm:.4g}: the gradients must stay as they are. "
+                "The coefficient is min(1, max_norm / (norm + 1e-6)): clipping never scales gradients up"), err
+    return f"buffer {b}: the clipped gradients differ from torch's: {mismatch(real, want)}", err
+
+
+def _clip_calls_problem(calls: list) -> str:
+    gathers = [op for op, _, _ in calls if op != "all_reduce"]
+    if gathers:
+        return (f"{', '.join(sorted(set(gathers)))} called: the norm needs one number from each rank, the sum of the "
+                "squares of its shards' real elements; gathering gradients moves the whole buffer to compute it")
+    if not calls:
+        return ("no collective: each rank holds only its shards, so its sum of squares is a part of the total. "
+                "All-reduce (sum) it over `group`, then take the square root")
+    if len(calls) > 1:
+        return (f"{len(calls)} all-reduces: make one, for every buffer at once. Add up the squares of all the "
+                "shards first: an all-reduce of one number costs a latency, and it is paid once")
+    _, nbytes, reduce = calls[0]
+    if nbytes > 8:
+        return (f"the all-reduce moved {nbytes} bytes: one number is enough, this rank's sum of squares over all "
+                "its shards (a tensor of one element)")
+    if reduce != "sum":
+        return f"the all-reduce used op={reduce.upper()}: the squares of the ranks' shards add up (ReduceOp.SUM)"
+    return ""
+
+
+def _wrong_norm(norms: list, buffers: list, want: float, grouped: bool) -> str:
+    """Why the norm is wrong, when it matches a plausible mistake."""
+    world = len(norms)
+    if len(set(norms)) > 1:
+        return f"the ranks of one group returned different norms, {norms}: every rank must return the same global norm"
+    got = norms[0]
+    squares = [sum((_padded_shard(flat, world, r) ** 2).sum().item() for flat in buffers) for r in range(world)]
+    real = [sum((_padded_shard(flat, world, r, junk=0.0) ** 2).sum().item() for flat in buffers) for r in range(world)]
+    near = lambda x: abs(got - x) <= 1e-4 * max(abs(x), 1e-12)
+    if near(math.sqrt(sum(squares))):
+        return (f"the norm {got:.6g} counts the padding ({JUNK:g} in every padding element here; torch.empty leaves "
+                f"anything there): sum the squares of each shard's real elements only; expected {want:.6g}")
+    if near(sum(real)):
+        return f"the norm {got:.6g} is the sum of squares: return its square root, {want:.6g}"
+    if near(sum(math.sqrt(x) for x in real)):
+        return (f"the norm {got:.6g} is the sum of the ranks' norms: all-reduce the sum of squares, then take the "
+                f"root (||g||^2 adds up over the shards, ||g|| does not); expected {want:.6g}")
+    hint = (" In the groups of 2, use this rank's place in `group` (dist.get_rank(group), "
+            "dist.get_world_size(group)) and all-reduce over `group` only." if grouped else "")
+    return f"the norm is {got:.6g}, expected {want:.6g}.{hint}"
+
+
+def _padded_shard(flat: torch.Tensor, world: int, rank: int, junk: float = JUNK) -> torch.Tensor:
+    k = -(-flat.numel() // world)
+    padded = torch.full((world * k,), junk)
+    padded[:flat.numel()] = flat
+    return padded[rank * k:(rank + 1) * k]
+
+
+# ---- predict, then run: ZeRO-1 that does not write the updated shards back ----------------------
+DEMO_STEPS = 3
+WRITE_BACKS = {"all-gather": "with the all-gather", "none": "no all-gather", "own slice": "own slice only"}
+
+
+class _AdamW:
+    """torch.optim.AdamW's update with its defaults (betas 0.9 and 0.999, eps 1e-8, weight decay 0.01),
+    written out: torch.optim's first use imports torch._dynamo, about a second on each of 4 ranks
+    sharing 2 cores, which the demo does not need to pay."""
+
+    def __init__(self, params: list, lr: float):
+        self.params, self.lr, self.steps = list(params), lr, 0
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        for p, (m, v) in zip(self.params, self.moments):
+            p.mul_(1 - self.lr * 0.01)                               # decoupled weight decay
+            m.lerp_(p.grad, 1 - 0.9)                                 # running mean of the gradient
+            v.mul_(0.999).addcmul_(p.grad, p.grad, value=1 - 0.999)  # ... and of its square
+            m_hat, v_hat = m / (1 - 0.9 ** self.steps), v / (1 - 0.999 ** self.steps)
+            p.sub_(self.lr * m_hat / (v_hat.sqrt() + 1e-8))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+class _DemoZero1:
+    """Section 2's ZeRO-1, with the write-back after the optimizer step chosen: "all-gather" (right), "none"
+    (step() stops after the optimizer), "own slice" (each rank copies its updated shard into its own slice
+    of flat_params, and nothing else)."""
+
+    def __init__(self, model: Llama, lr: float, write_back: str):
+        self.write_back, self.world, self.rank = write_back, dist.get_world_size(), dist.get_rank()
+        params = list(model.parameters())
+        self.size = -(-sum(p.numel() for p in params) // self.world)
+        self.flat_params = _flat(params, self.world * self.size)   # (padded,): p.data are views of it
+        self.flat_grads = torch.zeros_like(self.flat_params)        # (padded,): p.grad are views of it
+        offset = 0
+        for p in params:
+            p.data = self.flat_params[offset:offset + p.numel()].view_as(p)
+            p.grad = self.flat_grads[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.mine = slice(self.rank * self.size, (self.rank + 1) * self.size)
+        self.param_shard = nn.Parameter(self.flat_params[self.mine].clone())
+        self.optimizer = _AdamW([self.param_shard], lr)
+
+    def step(self) -> None:
+        from picotron.comm import all_gather, reduce_scatter
+        grad = torch.empty_like(self.param_shard)
+        reduce_scatter(grad, self.flat_grads, dist.group.WORLD, op=dist.ReduceOp.AVG)
+        self.param_shard.grad = grad
+        self.optimizer.step()
+        if self.write_back == "all-gather":
+            all_gather(self.flat_params, self.param_shard.detach(), dist.group.WORLD)
+        elif self.write_back == "own slice":
+            self.flat_params[self.mine] = self.param_shard.detach()
+        self.flat_grads.zero_()
+
+
+def _demo_batch(name: str) -> torch.Tensor:
+    """The global batch every step of the demo trains on (rank r its share, rows 2r and 2r+1)."""
+    return torch.cat([_tokens(name, 0, rank) for rank in range(WORLD)])
+
+
+def _demo_on_rank(name: str) -> dict:
+    rank, out, batch = dist.get_rank(), {}, _demo_batch(name)
+    mine = batch[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+    for write_back in WRITE_BACKS:
+        model = _model(name)
+        zero = _DemoZero1(model, LR, write_back)
+        start, shard_start = zero.flat_params.clone(), zero.param_shard.detach().clone()
+        losses = []
+        for step in range(DEMO_STEPS + 1):
+            with torch.no_grad():                       # this replica's loss on the whole global batch
+                losses.append(loss_fn(model(batch[:, :-1]), batch[:, 1:]).item())
+            if step < DEMO_STEPS:
+                loss_fn(model(mine[:, :-1]), mine[:, 1:]).backward()
+                zero.step()
+        out[write_back] = {"losses": losses, "weights": zero.flat_params.clone(),
+                           "moved": (zero.flat_params != start).float().mean().item(),
+                           "shard_moved": not torch.equal(zero.param_shard.detach(), shard_start)}
+    return out
+
+
+def _demo_one_process(name: str) -> list[float]:
+    """One process, plain AdamW on the global batch: its loss before each step and after the last."""
+    with one_thread():
+        model, batch = _model(name), _demo_batch(name)
+        optimizer, losses = _AdamW(model.parameters(), LR), []
+        for step in range(DEMO_STEPS + 1):
+            loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+            losses.append(loss.item())
+            if step < DEMO_STEPS:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return losses
+
+
+def zero1_write_back_demo(name: str = "2 layers") -> dict:
+    """ZeRO-1 on 4 ranks, DEMO_STEPS AdamW steps on one global batch (each rank its share), three ways of
+    writing the updated shards back (WRITE_BACKS), next to one process. Prints each replica's loss on the
+    whole batch before each step and after the last, the share of its parameters that moved, whether every
+    rank's optimizer shard moved, and whether the replicas are identical. Returns {way: {"losses": [rank][step],
+    "moved": [rank], "shard_moved": [rank], "identical": bool}, "one process": [step]}."""
+    per_rank = on_ranks(_demo_on_rank, WORLD, name)
+    table = {"one process": _demo_one_process(name)}
+    for way in WRITE_BACKS:
+        runs = [rank[way] for rank in per_rank]
+        table[way] = {"losses": [run["losses"] for run in runs], "moved": [run["moved"] for run in runs],
+                      "shard_moved": [run["shard_moved"] for run in runs],
+                      "identical": all(torch.equal(run["weights"], runs[0]["weights"]) for run in runs)}
+    print(f"ZeRO-1 on {WORLD} ranks: {DEMO_STEPS} AdamW steps (lr {LR:g}) on one batch of {WORLD * BATCH_PER_RANK} "
+          f"sequences, {BATCH_PER_RANK} per rank. Each replica's loss on the whole batch:")
+    print(f"{'':<33}" + "".join(f"{'before' if s == 0 else f'step {s}':>8}" for s in range(DEMO_STEPS + 1))
+          + f"{'weights moved':>15}{'shard moved':>13}")
+    print(f"{'one process':<33}" + "".join(f"{x:>8.4f}" for x in table["one process"]) + f"{'100%':>15}")
+    for way, label in WRITE_BACKS.items():
+        row = table[way]
+        for r in ([0] if row["identical"] else range(WORLD)):
+            who = "every rank" if row["identical"] else f"rank {r}"
+            print(f"{label if r == 0 else '':<21}{who:<12}" + "".join(f"{x:>8.4f}" for x in row["losses"][r])
+                  + f"{row['moved'][r]:>15.0%}{'yes' if row['shard_moved'][r] else 'no':>13}")
+    print("replicas identical: " + ", ".join(f"{label} {'yes' if table[way]['identical'] else 'no'}"
+                                            for way, label in WRITE_BACKS.items()))
+    return table

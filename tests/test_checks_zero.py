@@ -5,13 +5,15 @@ nbval on its own), so a check that passes everything, or nothing, is caught. Not
 picotron.parallel.zero.
 """
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from picotron_course.checks_zero import (check_shard_range, check_zero1, check_zero3_forward, check_zero3_training,
-                                         recorded_collectives)
+from picotron_course.checks_zero import (check_clip_grad_norm, check_shard_range, check_zero1, check_zero3_forward,
+                                         check_zero3_training, recorded_collectives, zero1_write_back_demo)
 from picotron.launch import run
 
 AVG = dist.ReduceOp.AVG
@@ -136,9 +138,56 @@ class RefUnitWithComm(RefUnit):
         from picotron.comm import reduce_scatter
         shard = torch.empty_like(self.shard)
         reduce_scatter(shard, self.flat_grad(), self.group, op=AVG)
-        self.shard.grad = shard
+        if self.shard.grad is None:
+            self.shard.grad = shard
+        else:
+            self.shard.grad += shard          # in place: also right
         for p in self.params:
             p.grad = None
+
+
+class RefZero1FreesGrad(RefZero1):
+    """Right too: drops the gradient shard once the optimizer has used it (the task does not forbid it)."""
+
+    def step(self):
+        super().step()
+        self.param_shard.grad = None
+
+
+def ref_shard_range_list(numel, rank, world):
+    import numpy as np
+    size = -(-numel // world)
+    return [np.int64(rank * size), np.int64((rank + 1) * size)]   # a list of numpy ints: a pair all the same
+
+
+def ref_clip(shards, numels, max_norm, group):
+    """Clip by the global norm of the real elements: one all-reduce of this rank's sum of squares."""
+    rank = dist.get_rank(group)
+    total = torch.zeros(())
+    for shard, numel in zip(shards, numels):
+        k = shard.numel()
+        real = max(0, min(k, numel - rank * k))      # elements of this shard that are not padding
+        total += shard.grad[:real].pow(2).sum()
+    dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for shard in shards:
+        shard.grad.mul_(coefficient)
+    return norm
+
+
+def ref_clip_float64(shards, numels, max_norm, group):
+    """The same in float64, a Python float returned and the gradients rebound rather than scaled in place."""
+    rank = dist.get_rank(group)
+    total = torch.zeros((), dtype=torch.float64)
+    for shard, numel in zip(shards, numels):
+        start = rank * shard.numel()
+        total += shard.grad.double()[:max(0, numel - start)].square().sum()
+    dist.all_reduce(total, group=group)
+    norm = total.sqrt().item()
+    for shard in shards:
+        shard.grad = shard.grad * min(1.0, max_norm / (norm + 1e-6))
+    return norm
 
 
 class RefUnitBackwardPreHook(RefUnit):
@@ -150,13 +199,15 @@ class RefUnitBackwardPreHook(RefUnit):
         self.module.register_full_backward_pre_hook(lambda module, grad_output: self.gather())
 
 
-CORRECT = [(check_shard_range, ref_shard_range), (check_zero1, RefZero1), (check_zero3_forward, RefUnit),
-           (check_zero3_training, RefUnit), (check_zero3_training, RefUnitWithComm),
-           (check_zero3_training, RefUnitBackwardPreHook)]
+CORRECT = [(check_shard_range, ref_shard_range), (check_shard_range, ref_shard_range_list), (check_zero1, RefZero1),
+           (check_zero1, RefZero1FreesGrad), (check_zero3_forward, RefUnit), (check_zero3_training, RefUnit),
+           (check_zero3_training, RefUnitWithComm), (check_zero3_training, RefUnitBackwardPreHook),
+           (check_clip_grad_norm, ref_clip), (check_clip_grad_norm, ref_clip_float64)]
 
 
-@pytest.mark.parametrize("check, answer", CORRECT, ids=["shard_range", "zero1", "zero3_forward", "zero3_training",
-                                                        "zero3_training_comm", "zero3_training_module_hook"])
+@pytest.mark.parametrize("check, answer", CORRECT, ids=["shard_range", "shard_range_list", "zero1", "zero1_frees_grad",
+                                                        "zero3_forward", "zero3_training", "zero3_training_comm",
+                                                        "zero3_training_module_hook", "clip", "clip_float64"])
 def test_correct_answer_passes(check, answer, capsys):
     check(answer)
     out = capsys.readouterr().out
@@ -274,6 +325,111 @@ class UnitUnpadded(RefUnit):
         return torch.cat([p.grad.reshape(-1) for p in self.params])
 
 
+class UnitOverwritesGrad(RefUnit):
+    def reduce_grads(self):
+        shard = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(shard, self.flat_grad(), op=AVG, group=self.group)
+        self.shard.grad = shard  # the micro-batch before is lost
+        for p in self.params:
+            p.grad = None
+
+
+# ---- planted wrong answers to the stretch: plausible ways to get the global norm wrong -------------
+def _clip_with(shards, norm, max_norm, clamp=True):
+    coefficient = max_norm / (norm + 1e-6)
+    if clamp:
+        coefficient = min(1.0, coefficient)
+    for shard in shards:
+        shard.grad.mul_(coefficient)
+    return norm
+
+
+def _real(shard, numel, rank):
+    k = shard.numel()
+    return shard.grad[:max(0, min(k, numel - rank * k))]
+
+
+def clip_counts_padding(shards, numels, max_norm, group):
+    total = sum(shard.grad.pow(2).sum() for shard in shards)   # the padding's junk too
+    dist.all_reduce(total, group=group)
+    return _clip_with(shards, total.sqrt().item(), max_norm)
+
+
+def clip_sums_norms(shards, numels, max_norm, group):
+    rank = dist.get_rank(group)
+    local = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels)).sqrt()
+    dist.all_reduce(local, group=group)                          # sum of the ranks' norms
+    return _clip_with(shards, local.item(), max_norm)
+
+
+def clip_local_norm(shards, numels, max_norm, group):
+    rank = dist.get_rank(group)
+    local = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels)).sqrt()
+    return _clip_with(shards, local.item(), max_norm)          # this rank's shards only
+
+
+def clip_per_buffer(shards, numels, max_norm, group):
+    rank, total = dist.get_rank(group), 0.0
+    for s, n in zip(shards, numels):
+        squares = _real(s, n, rank).pow(2).sum()
+        dist.all_reduce(squares, group=group)                    # one all-reduce per buffer
+        total += squares.item()
+    return _clip_with(shards, math.sqrt(total), max_norm)
+
+
+def clip_gathers(shards, numels, max_norm, group):
+    world, total = dist.get_world_size(group), 0.0
+    for s, n in zip(shards, numels):
+        full = torch.empty(world * s.numel())
+        dist.all_gather_into_tensor(full, s.grad, group=group)  # the whole gradient, to every rank
+        total += full[:n].pow(2).sum().item()
+    return _clip_with(shards, math.sqrt(total), max_norm)
+
+
+def clip_never_clamps(shards, numels, max_norm, group):
+    return _clip_with(shards, ref_norm(shards, numels, group), max_norm, clamp=False)
+
+
+def clip_returns_square(shards, numels, max_norm, group):
+    norm = ref_norm(shards, numels, group)
+    _clip_with(shards, norm, max_norm)
+    return norm ** 2
+
+
+def clip_global_rank(shards, numels, max_norm, group):
+    rank = dist.get_rank()                                       # the rank in the world, not in the group
+    total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
+    dist.all_reduce(total, group=group)
+    return _clip_with(shards, total.sqrt().item(), max_norm)
+
+
+def clip_whole_world(shards, numels, max_norm, group):
+    rank = dist.get_rank(group)
+    total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
+    dist.all_reduce(total)                                       # forgot group=: every rank of the world
+    return _clip_with(shards, total.sqrt().item(), max_norm)
+
+
+def clip_forgets_to_scale(shards, numels, max_norm, group):
+    norm = ref_norm(shards, numels, group)
+    [shard.grad * min(1.0, max_norm / (norm + 1e-6)) for shard in shards]   # computed, never stored
+    return norm
+
+
+def clip_averages(shards, numels, max_norm, group):
+    rank = dist.get_rank(group)
+    total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
+    dist.all_reduce(total, op=AVG, group=group)
+    return _clip_with(shards, total.sqrt().item(), max_norm)
+
+
+def ref_norm(shards, numels, group):
+    rank = dist.get_rank(group)
+    total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
+    dist.all_reduce(total, group=group)
+    return total.sqrt().item()
+
+
 CourseAnswer = type("Zero1", (RefZero1,), {"__module__": "picotron.parallel.zero"})  # named, never imported
 
 WRONG_ANSWERS = [
@@ -294,6 +450,18 @@ WRONG_ANSWERS = [
     (check_zero3_training, UnitAllReduce, "all-reduce called"),
     (check_zero3_training, UnitKeepsFullGrads, "full gradients"),
     (check_zero3_training, UnitUnpadded, "Pad the flat buffer"),
+    (check_zero3_training, UnitOverwritesGrad, "not the sum of their averaged gradient shards"),
+    (check_clip_grad_norm, clip_counts_padding, "counts the padding"),
+    (check_clip_grad_norm, clip_sums_norms, "sum of the ranks' norms"),
+    (check_clip_grad_norm, clip_local_norm, "no collective"),
+    (check_clip_grad_norm, clip_per_buffer, "all-reduces: make one"),
+    (check_clip_grad_norm, clip_gathers, "all_gather called"),
+    (check_clip_grad_norm, clip_never_clamps, "never scales gradients up"),
+    (check_clip_grad_norm, clip_returns_square, "return its square root"),
+    (check_clip_grad_norm, clip_global_rank, "place in `group`"),
+    (check_clip_grad_norm, clip_whole_world, "place in `group`"),
+    (check_clip_grad_norm, clip_forgets_to_scale, "were not scaled"),
+    (check_clip_grad_norm, clip_averages, "op=AVG"),
 ]
 
 
@@ -328,3 +496,32 @@ def test_recorder_counts_each_call_once():
     assert calls == [("all_reduce", 12, "avg"), ("all_gather", 12, ""), ("reduce_scatter", 24, "sum"),
                      ("all_gather", 12, ""), ("reduce_scatter", 24, "avg"), ("all_gather", 12, "")]
     assert restored
+
+
+# ---- the stretch's cases and the predict-then-run demo -------------------------------------------
+def test_clip_cases_cover_what_the_task_promises():
+    """Whole shards of padding, a norm below max_norm (nothing clipped), groups of 2 inside the world."""
+    from picotron_course.checks_zero import _clip_cases
+    cases = _clip_cases()
+    numels = [(len(members), b.numel()) for case in cases for members, buffers in zip(case["groups"], case["buffers"])
+              for b in buffers]
+    assert any(n <= (world - 1) * -(-n // world) for world, n in numels)     # a rank whose shard is all padding
+    assert any(max(case["max_norm"]) > 1 for case in cases)
+    assert any(len(case["groups"]) > 1 for case in cases)
+    for case in cases:
+        for buffers, max_norm in zip(case["buffers"], case["max_norm"]):
+            norm = torch.linalg.vector_norm(torch.cat(buffers)).item()
+            assert max_norm < 0.6 * norm or max_norm > 1.5 * norm             # clipped or not, never borderline
+
+
+def test_write_back_demo_shows_what_the_notebook_asserts(capsys):
+    seen = zero1_write_back_demo()
+    one = seen["one process"]
+    right, none, own = seen["all-gather"], seen["none"], seen["own slice"]
+    assert all(max(abs(a - b) for a, b in zip(losses, one)) < 1e-5 for losses in right["losses"])
+    assert right["identical"] and none["identical"] and not own["identical"]
+    assert all(losses == [one[0]] * len(one) for losses in none["losses"])  # the model never changes
+    assert all(none["shard_moved"]) and none["moved"] == [0.0] * 4           # ... while the shards train
+    assert all(0.2 < moved < 0.3 for moved in own["moved"])                  # a quarter of each replica moves
+    assert all(one[-1] < losses[-1] < one[0] for losses in own["losses"])   # falls, more slowly than one process
+    assert "replicas identical" in capsys.readouterr().out
