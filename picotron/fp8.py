@@ -489,6 +489,8 @@ class Float8Linear(nn.Linear):
     input, according to `recipe`. The bias is added in high precision.
     """
 
+    converted = True        # swap_linears leaves it alone
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: str | Float8Recipe = "tensorwise", device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -532,11 +534,11 @@ KEEP_HIGH_PRECISION = ("lm_head", "router")
 
 def swap_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module],
                  keep: Callable[[str, nn.Linear], bool]) -> list[str]:
-    """Replace every plain nn.Linear under `module` (not subclasses: tensor-parallel or already converted
-    layers stay) for which keep(name, linear) is False by make(linear). Returns the swapped names."""
+    """Replace every nn.Linear under `module` (picotron.model's LMHead included; layers already converted, marked
+    `converted`, stay) for which keep(name, linear) is False by make(linear). Returns the swapped names."""
     swapped = []
     for name, child in list(module.named_modules()):
-        if type(child) is not nn.Linear or keep(name, child):
+        if not isinstance(child, nn.Linear) or getattr(child, "converted", False) or keep(name, child):
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, make(child))

@@ -113,6 +113,7 @@ class LowPrecisionLinear(nn.Linear):
     """An nn.Linear whose matmuls run in `dtype` (bf16 or fp16) while its parameter stays the fp32 master."""
 
     compute_dtype: torch.dtype
+    converted = True        # swap_linears leaves it alone
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> "LowPrecisionLinear":

@@ -477,6 +477,10 @@ class Llama(nn.Module):
             # Full recomputation: only the layer's input stays saved; backward runs the layer again.
             x = recompute(layer, x, cos, sin) if full_recompute else layer(x, cos, sin)
         if targets is not None:
+            if not isinstance(self.lm_head, LMHead):
+                raise TypeError(f"the loss fused with the head needs picotron's LMHead, but lm_head is a "
+                                f"{type(self.lm_head).__name__} (converted or parallelised); call the model without "
+                                f"targets and apply the loss to its logits")
             return self.lm_head(self.norm(x), targets, chunk_tokens=self.config.loss_chunk_tokens)  # the loss
         return self.lm_head(self.norm(x))                     # (batch, seq, vocab)
 
