@@ -4,9 +4,9 @@ Everything runs in this process (fp8 needs no ranks). Each check compares the le
 plain torch written here, never with picotron.fp8 (the module the assignment rebuilds):
 
     check_tensorwise(quantize_tensorwise, dequantize)
-        scale = amax / max of the format (a single number), q = saturate(x / scale) in fp8: the fp8
-        values bit for bit, the scale, the error of dequantize(q, scale) within half a gap of the
-        format; zeros stay zeros; a given (stale) scale saturates instead of overflowing
+        scale = amax / max of the format (a single number, of any one-element shape), q = saturate(x /
+        scale) in fp8: the fp8 values bit for bit, the scale, the error of dequantize(q, scale) within
+        half a gap of the format; zeros stay zeros; a given (stale) scale saturates instead of overflowing
     check_rowwise(quantize_rowwise, dequantize)
         the same with one scale per row, shape (M, 1); a row 1000x larger leaves the other rows
         exactly as they were
@@ -16,6 +16,11 @@ plain torch written here, never with picotron.fp8 (the module the assignment reb
     check_float8_linear(Float8LinearFunction)
         its forward (the learner's) with the given backward: output and both gradients equal to the
         three quantized products written out (up to float32 round-off), and close to bf16 (stated tolerance)
+    check_delayed_scaler(DelayedScaler)                                                  (the stretch)
+        tensorwise delayed scaling, driven through planted sequences of amaxes (drift, a spike, steady
+        growth under a margin, all-zero steps, a gradient-sized random walk, two scalers in turn): each
+        step's scale against the rules of the task written out here (history of H amaxes, 2^margin,
+        no history, overflow fallback), q bit for bit at that scale, and the overflow count
 
 Error bound of one quantized element (round to nearest): half a gap of the format at that
 magnitude, |x| 2^-(m+1) for a mantissa of m bits, or scale x (smallest subnormal)/2 below the
@@ -34,7 +39,7 @@ import torch
 
 from picotron_course.checks import Report, close_enough, mismatch
 
-__all__ = ["check_tensorwise", "check_rowwise", "check_float8_matmul", "check_float8_linear",
+__all__ = ["check_tensorwise", "check_rowwise", "check_float8_matmul", "check_float8_linear", "check_delayed_scaler",
            "ref_quantize_tensorwise", "ref_quantize_rowwise", "ref_dequantize", "E4M3", "E5M2",
            "FORWARD_TOL", "E5M2_TOL"]
 
@@ -128,8 +133,11 @@ def _quantize_problem(got, x: torch.Tensor, dtype: torch.dtype, want_q: torch.Te
         return f"q has shape {tuple(q.shape)}, expected {tuple(x.shape)}", math.inf
     if scale.dtype != torch.float32:
         return f"the scale is {scale.dtype}; keep scales in float32 (torch._scaled_mm wants them so)", math.inf
-    if tuple(scale.shape) != tuple(want_scale.shape):
-        return f"the scale has shape {tuple(scale.shape)}, expected {tuple(want_scale.shape)}", math.inf
+    if want_scale.numel() == 1 and scale.numel() == 1 and scale.dim() <= x.dim():
+        want_scale = want_scale.reshape(scale.shape)          # one scale: (), (1,) or (1, 1) all broadcast
+    elif tuple(scale.shape) != tuple(want_scale.shape):
+        expected = "one element" if want_scale.numel() == 1 else str(tuple(want_scale.shape))
+        return f"the scale has shape {tuple(scale.shape)}, expected {expected}", math.inf
     if not close_enough(scale, want_scale, FP32, n=2):        # amax / max: a division, a rounding or two apart
         ratio = (scale / want_scale).flatten()[0].item()
         hint = (" (it looks inverted: scale = amax / max, so that x = q * scale)" if abs(ratio - 1) > 0.5 and
@@ -344,3 +352,183 @@ def _linear_case(Float8LinearFunction, x, w, grad, quantize) -> tuple[str, list[
     errors = [_rel(y.detach(), ref[0]), _rel(x_in.grad, ref[1]), _rel(w_in.grad, ref[2])]
     ok = errors[0] <= FORWARD_TOL and max(errors[1:]) <= E5M2_TOL
     return ("" if ok else "relative errors against bf16 above the tolerance"), errors
+
+
+# ---- 5. stretch: delayed scaling --------------------------------------------------------------------
+class _RefDelayed:
+    """The rules of the stretch, step by step, in plain torch: the scale from the largest amax of the last H
+    steps (x 2^margin); this step's own amax when there is no history (none yet, or all zeros) or when it
+    overflows the delayed one (counted); then this step's amax joins the history."""
+
+    def __init__(self, dtype: torch.dtype, history_len: int, margin: int):
+        self.dtype, self.history_len, self.margin = dtype, history_len, margin
+        self.history: list[float] = []                   # float32 amaxes, oldest first
+        self.overflows = 0
+
+    def step(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the scale of this step, whether it overflowed)."""
+        amax = x.detach().abs().max().float()
+        delayed = max(self.history[-self.history_len:], default=0.0)
+        overflow = delayed > 0 and amax.item() > delayed * 2.0 ** self.margin
+        chosen = amax if delayed == 0 or overflow else torch.tensor(delayed)
+        self.overflows += overflow
+        self.history.append(amax.item())
+        return chosen.clamp(min=1e-12) * 2.0 ** self.margin / _max(self.dtype), overflow
+
+
+def _planted(amaxes: list[float], seed: int, shape=(16, 48)) -> list[torch.Tensor]:
+    """One tensor per step, each with (about) the planted amax; an amax of 0 gives an all-zero tensor."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for amax in amaxes:
+        x = torch.randn(shape, generator=g)
+        out.append(x * (amax / x.abs().max()) if amax else torch.zeros(shape))
+    return out
+
+
+def _delayed_cases() -> list[tuple[str, torch.dtype, int, int, list[float]]]:
+    g = torch.Generator().manual_seed(60)
+    walk = (1e-6 * torch.exp(torch.randn(24, generator=g).mul(0.25).cumsum(0))).tolist()   # gradient-sized
+    return [("drifts down, then up", E4M3, 4, 0, [2.0, 1.8, 1.6, 1.5, 1.4, 1.3, 1.2, 1.25, 1.9, 2.5]),
+            ("a 20x spike", E4M3, 3, 0, [1.0, 0.9, 20.0, 0.95, 0.9, 0.92, 0.85, 0.88, 0.8]),
+            ("grows 30% a step, margin 1", E5M2, 2, 1, [1.3 ** k for k in range(8)] + [20.0, 8.5]),
+            ("all-zero steps", E4M3, 3, 0, [0.0, 0.0, 1.5, 1.2, 0.0, 1.1, 0.7]),
+            ("gradient-sized random walk", E5M2, 16, 0, walk)]
+
+
+def _delayed_hint(got: float, step: int, amaxes: list[float], history_len: int, margin: int,
+                  dtype: torch.dtype) -> str:
+    """Which plausible rule the learner's scale of `step` follows instead, if one."""
+    fmax, now = _max(dtype), amaxes[step]
+    def scale(amax, m=margin):
+        return max(amax, 1e-12) * 2.0 ** m / fmax
+    def window(first):
+        return max(amaxes[max(first, 0):step], default=0.0)
+    past = window(step - history_len)
+    chosen = now if past == 0 or now > past * 2.0 ** margin else past     # the amax the rules use
+    candidates = [
+        (scale(now), "it is this step's own amax (dynamic scaling); the delayed scale comes from the amaxes of "
+                     "the earlier steps, and this step's amax joins the history only after its scale is chosen"),
+        (scale(max(amaxes[max(step - history_len + 1, 0):step + 1])),
+         f"it is the largest amax of steps {max(step - history_len + 1, 0)}..{step}: this step's amax joined the "
+         f"history before the scale was chosen, or the history keeps {history_len - 1} steps, not {history_len}"),
+        (scale(window(step - history_len - 1)), f"it is the largest amax of the last {history_len + 1} steps: the "
+                                                f"history holds the last history_len = {history_len}"),
+        (scale(window(0)), "it is the largest amax of every earlier step: keep only the last history_len"),
+        (scale(window(step - history_len)), "it is the delayed scale, but this step's amax exceeds the delayed amax "
+                                            "x 2^margin: count an overflow and use this step's own amax"),
+        (scale(chosen, 0), "2^margin is missing: scale = amax x 2^margin / max"),
+        (scale(chosen, -margin), "the margin divides: scale = amax x 2^margin / max"),
+    ]
+    hints = [hint for value, hint in candidates if value > 0 and abs(got / value - 1) < 1e-5]
+    if step == 0 and not hints:
+        hints = ["a new scaler has no history yet, so step 0 uses its own amax: keep the history on the instance "
+                 "(set in __init__), not shared with an earlier scaler"]
+    return "; or ".join(hints) or "apply the rules in order: the delayed amax of the last history_len steps, no " \
+                                  "history, overflow"
+
+
+def _count(scaler) -> float | None:
+    """The learner's overflow count as a number, or None when it is missing or not a number."""
+    counted = getattr(scaler, "overflows", None)
+    if isinstance(counted, torch.Tensor) and counted.numel() == 1:
+        counted = counted.item()
+    return counted if isinstance(counted, (int, float)) and not isinstance(counted, bool) else None
+
+
+def _delayed_step(scaler, ref: _RefDelayed, x: torch.Tensor, where: str, amaxes: list[float], step: int) -> str:
+    """One step of a planted sequence: what is wrong with the learner's scaler (empty if nothing)."""
+    want_scale, overflow = ref.step(x)
+    got, problem = _call(scaler.quantize, x.clone())
+    if problem:
+        return f"quantize at {where} {problem}"
+    q, scale, problem = _pair(got, "quantize")
+    if problem:
+        return problem
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        return f"the scale must be one float32 number; got {scale.dtype} of shape {tuple(scale.shape)}"
+    scale = scale.reshape(())
+    if not scale.isfinite() or scale.item() <= 0:
+        return (f"the scale at {where} is {scale.item():.3g}: an all-zero tensor with no history must still get a "
+                "positive scale (clamp the amax at 1e-12, as in part 1)")
+    if not close_enough(scale, want_scale, FP32, n=2):                 # amax x 2^margin / max: one division
+        hint = _delayed_hint(scale.item(), step, amaxes, ref.history_len, ref.margin, ref.dtype)
+        return (f"the scale at {where} is {scale.item():.6g}, expected {want_scale.item():.6g}"
+                f"{' (an overflow step)' if overflow else ''}: {hint}")
+    if q.dtype != ref.dtype or q.shape != x.shape:
+        return f"q at {where} is {q.dtype} of shape {tuple(q.shape)}, expected {ref.dtype} of {tuple(x.shape)}"
+    limit = _max(ref.dtype)
+    want_q = (x.float() / scale).clamp(-limit, limit).to(ref.dtype)     # with the learner's own scale
+    if not torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)):
+        return f"q at {where} is not clamp(x / scale, -max, max).to(dtype). {mismatch(q.float(), want_q.float())}"
+    if _count(scaler) != ref.overflows:
+        return (f"overflows is {getattr(scaler, 'overflows', None)!r} after {where}, expected {ref.overflows}: count "
+                "one for each step whose amax exceeds the delayed amax x 2^margin (a step without history never "
+                "overflows)")
+    return ""
+
+
+def _delayed_sequence(DelayedScaler, dtype, history_len, margin, amaxes, seed) -> tuple[str, str]:
+    """Run one planted sequence on a new scaler: (what is wrong or "", "learner's count/the rules' count")."""
+    ref = _RefDelayed(dtype, history_len, margin)
+    scaler, problem = _call(lambda: DelayedScaler(dtype=dtype, history_len=history_len, margin=margin))
+    if problem:
+        return f"DelayedScaler(dtype=..., history_len={history_len}, margin={margin}) {problem}", "-"
+    xs = _planted(amaxes, seed)
+    actual = [x.abs().max().item() for x in xs]
+    for step, x in enumerate(xs):
+        first = max(step - history_len - 1, 0)                   # the window, one step more, and this step
+        where = f"step {step} (amaxes of steps {first}..{step}: {[float(f'{a:.3g}') for a in actual[first:step + 1]]})"
+        problem = _delayed_step(scaler, ref, x, where, actual, step)
+        if problem:
+            break
+    counted = _count(scaler)
+    return problem, f"{'-' if counted is None else f'{counted:g}'}/{ref.overflows}"
+
+
+def check_delayed_scaler(DelayedScaler) -> None:
+    """scaler = DelayedScaler(dtype=..., history_len=H, margin=m); q, scale = scaler.quantize(x) once per step;
+    scaler.overflows counts the steps that overflowed. Planted sequences of amaxes, each with a new scaler."""
+    _not_the_course_answer("check_delayed_scaler", DelayedScaler)
+    note = ("one process. Per step: scale = (largest amax of the last H steps) x 2^margin / max(dtype), float32; this "
+            "step's amax instead with no history (none yet, or all 0) or when it exceeds that amax x 2^margin (an "
+            "overflow, counted); q = clamp(x / scale, -max, max).to(dtype). 'overflows': the learner's / the rules'")
+    with Report("delayed_scaler", note=note) as report:
+        for seed, (name, dtype, history_len, margin, amaxes) in enumerate(_delayed_cases()):
+            problem, counts = _delayed_sequence(DelayedScaler, dtype, history_len, margin, amaxes, 70 + seed)
+            report.add(not problem, problem, case=name, dtype=dtype, H=history_len, margin=margin, steps=len(amaxes),
+                       overflows=counts)
+        problem = _two_scalers(DelayedScaler)
+        report.add(not problem, problem, case="two scalers, interleaved", dtype=E4M3, H=3, margin=0, steps=12,
+                   overflows="-")
+
+
+def _two_scalers(DelayedScaler) -> str:
+    """Two scalers used in turn (a layer's input and its weight) keep separate histories and counts."""
+    small, large = _planted([1.0, 0.9, 0.8, 0.7, 0.6, 0.5], 90), _planted([900.0, 800.0, 950.0, 700.0, 600.0, 500.0],
+                                                                           91)
+    refs = [_RefDelayed(E4M3, 3, 0), _RefDelayed(E4M3, 3, 0)]
+    scalers = []
+    for _ in range(2):
+        scaler, problem = _call(lambda: DelayedScaler(dtype=E4M3, history_len=3, margin=0))
+        if problem:
+            return f"DelayedScaler(...) {problem}"
+        scalers.append(scaler)
+    for step, pair in enumerate(zip(small, large)):
+        for which, (scaler, ref, x) in enumerate(zip(scalers, refs, pair)):
+            want, _ = ref.step(x)
+            got, problem = _call(scaler.quantize, x.clone())
+            if problem:
+                return f"quantize {problem}"
+            _, scale, problem = _pair(got, "quantize")
+            if problem:
+                return problem
+            shared = ("two scalers share their history or count. Keep them on the instance (self.history = [] in "
+                      "__init__, not a class attribute)")
+            if scale.numel() != 1 or not close_enough(scale.reshape(()).float(), want, FP32, n=2):
+                return (f"scaler {which} at step {step}: scale {scale.flatten()[0].item():.4g}, expected "
+                        f"{want.item():.4g}: {shared}")
+            if _count(scaler) != ref.overflows:
+                return (f"scaler {which} at step {step}: overflows {getattr(scaler, 'overflows', None)!r}, expected "
+                        f"{ref.overflows}: {shared}")
+    return ""

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from picotron_course.checks_fp8 import (E4M3, E5M2, check_float8_linear, check_float8_matmul, check_rowwise,
-                                        check_tensorwise)
+from picotron_course.checks_fp8 import (E4M3, E5M2, check_delayed_scaler, check_float8_linear, check_float8_matmul,
+                                        check_rowwise, check_tensorwise)
 
 
 # ---- correct answers ------------------------------------------------------------------------------------
@@ -64,14 +64,49 @@ class Float8LinearFunction(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
+class DelayedScaler:
+    """The stretch's rules: scale from the largest amax of the last H steps (x 2^margin); this step's own amax
+    with no history or on an overflow (counted); then record this step's amax."""
+
+    def __init__(self, dtype, history_len, margin=0):
+        self.dtype, self.history_len, self.margin = dtype, history_len, margin
+        self.history, self.overflows = [], 0
+
+    def delayed_amax(self, amax):
+        past = max(self.history[-self.history_len:], default=0.0)
+        if past == 0:
+            return amax
+        if amax > past * 2 ** self.margin:
+            self.overflows += 1
+            return amax
+        return past
+
+    def quantize(self, x):
+        limit = torch.finfo(self.dtype).max
+        amax = x.abs().max().item()
+        chosen = self.delayed_amax(amax)
+        self.history.append(amax)
+        scale = torch.tensor(max(chosen, 1e-12) * 2 ** self.margin / limit, dtype=torch.float32)
+        return (x.float() / scale).clamp(-limit, limit).to(self.dtype), scale
+
+
+def tensorwise_scale_1x1(x, dtype, scale=None):
+    """One scale of shape (1, 1) instead of (): one element, as the task says."""
+    q, s = quantize_tensorwise(x, dtype, scale)
+    return q, s.reshape(1, 1)
+
+
 CORRECT = [(check_tensorwise, (quantize_tensorwise, dequantize)),
+           (check_tensorwise, (tensorwise_scale_1x1, dequantize)),
            (check_rowwise, (quantize_rowwise, dequantize)),
            (check_rowwise, (quantize_rowwise_loop, dequantize)),
            (check_float8_matmul, (float8_matmul,)),
-           (check_float8_linear, (Float8LinearFunction,))]
+           (check_float8_linear, (Float8LinearFunction,)),
+           (check_delayed_scaler, (DelayedScaler,))]
 
 
-@pytest.mark.parametrize("check, answers", CORRECT, ids=["tensorwise", "rowwise", "rowwise_loop", "matmul", "linear"])
+@pytest.mark.parametrize("check, answers", CORRECT, ids=["tensorwise", "tensorwise_1x1", "rowwise", "rowwise_loop",
+                                                         "matmul", "linear", "delayed"])
 def test_correct_answer_passes_quickly(check, answers, capsys):
     start = time.perf_counter()
     check(*answers)
@@ -203,6 +238,91 @@ class LinearE5M2Forward(Float8LinearFunction):
         return float8_matmul(x2, weight, quantize, E5M2, E5M2).reshape(*x.shape[:-1], weight.shape[0])
 
 
+class DsDynamic(DelayedScaler):
+    """Records this step's amax before choosing the scale: delayed scaling that is not delayed."""
+
+    def quantize(self, x):
+        self.history.append(x.abs().max().item())
+        self.history = self.history[-self.history_len:]
+        limit = torch.finfo(self.dtype).max
+        scale = torch.tensor(max(self.history) * 2 ** self.margin / limit, dtype=torch.float32).clamp(min=1e-12 / limit)
+        return (x.float() / scale).clamp(-limit, limit).to(self.dtype), scale
+
+
+class DsUnbounded(DelayedScaler):
+    """Keeps every amax since the start."""
+
+    def __init__(self, dtype, history_len, margin=0):
+        super().__init__(dtype, 10**9, margin)
+
+
+class DsWindowOneLonger(DelayedScaler):
+    """Keeps H + 1 amaxes."""
+
+    def __init__(self, dtype, history_len, margin=0):
+        super().__init__(dtype, history_len + 1, margin)
+
+
+class DsSaturates(DelayedScaler):
+    """Counts an overflow but keeps the delayed scale: the step saturates."""
+
+    def delayed_amax(self, amax):
+        chosen = super().delayed_amax(amax)
+        past = max(self.history[-self.history_len:], default=0.0)
+        return past if past else chosen
+
+
+class DsUncounted(DelayedScaler):
+    """Falls back on an overflow, and forgets to count it."""
+
+    def delayed_amax(self, amax):
+        chosen = super().delayed_amax(amax)
+        self.overflows = 0
+        return chosen
+
+
+class DsCountsWithoutHistory(DelayedScaler):
+    """Counts the first step (no history) as an overflow, since its amax exceeds 0."""
+
+    def delayed_amax(self, amax):
+        if not any(self.history[-self.history_len:]):
+            self.overflows += 1
+        return super().delayed_amax(amax)
+
+
+class DsMarginDivides(DelayedScaler):
+    """scale = amax / 2^margin / max: the headroom the wrong way."""
+
+    def __init__(self, dtype, history_len, margin=0):
+        super().__init__(dtype, history_len, -margin)
+
+
+class DsNoZeroGuard(DelayedScaler):
+    def quantize(self, x):
+        limit = torch.finfo(self.dtype).max
+        amax = x.abs().max().item()
+        chosen = self.delayed_amax(amax)
+        self.history.append(amax)
+        scale = torch.tensor(chosen * 2 ** self.margin / limit, dtype=torch.float32)
+        return (x.float() / scale).clamp(-limit, limit).to(self.dtype), scale
+
+
+class DsSharedHistory(DelayedScaler):
+    """The history a class attribute: every scaler appends to the same list."""
+
+    history: list = []
+    overflows = 0
+
+    def __init__(self, dtype, history_len, margin=0):
+        self.dtype, self.history_len, self.margin = dtype, history_len, margin
+
+
+class DsFloat64Scale(DelayedScaler):
+    def quantize(self, x):
+        q, scale = super().quantize(x)
+        return q, scale.double()
+
+
 WRONG_ANSWERS = [
     (check_tensorwise, (tw_inverted, dequantize), "inverted"),
     (check_tensorwise, (tw_no_clamp, dequantize), "clamp"),
@@ -225,6 +345,16 @@ WRONG_ANSWERS = [
     (check_float8_linear, (LinearSavesQuantized,), "before any quantization"),
     (check_float8_linear, (LinearHighPrecision,), "e4m3 copies"),
     (check_float8_linear, (LinearE5M2Forward,), "e4m3 copies"),
+    (check_delayed_scaler, (DsDynamic,), "joined the history before the scale was chosen"),
+    (check_delayed_scaler, (DsUnbounded,), "keep only the last history_len"),
+    (check_delayed_scaler, (DsWindowOneLonger,), "last 5 steps: the history holds the last history_len = 4"),
+    (check_delayed_scaler, (DsSaturates,), "count an overflow and use this step's own amax"),
+    (check_delayed_scaler, (DsUncounted,), "overflows is 0 after step 8"),
+    (check_delayed_scaler, (DsCountsWithoutHistory,), "a step without history never overflows"),
+    (check_delayed_scaler, (DsMarginDivides,), "the margin divides"),
+    (check_delayed_scaler, (DsNoZeroGuard,), "positive scale"),
+    (check_delayed_scaler, (DsSharedHistory,), "no history yet"),
+    (check_delayed_scaler, (DsFloat64Scale,), "one float32 number"),
 ]
 
 
@@ -246,6 +376,35 @@ def test_the_course_answer_is_refused():
         check_tensorwise(course_quantize, course_dequantize)
 
 
+def test_the_course_delayed_scales_are_refused():
+    from picotron.fp8 import DelayedScales
+
+    class Scaler(DelayedScales):
+        def __init__(self, dtype, history_len, margin=0):
+            super().__init__(history_len)
+
+    with pytest.raises(AssertionError, match="course's own code"):
+        check_delayed_scaler(Scaler)
+
+
+def test_two_scalers_sharing_a_history_fail_even_when_each_sequence_passes(capsys):
+    """A scaler whose history is shared only between instances made in a row: the planted sequences (one
+    scaler each, the shared list cleared by each new one) pass; the interleaved pair does not."""
+
+    class ClearedShared(DelayedScaler):
+        shared: list = []
+
+        def __init__(self, dtype, history_len, margin=0):
+            super().__init__(dtype, history_len, margin)
+            ClearedShared.shared.clear()
+            self.history = ClearedShared.shared
+
+    with pytest.raises(AssertionError, match="share their history"):
+        check_delayed_scaler(ClearedShared)
+    out = capsys.readouterr().out
+    assert out.count(" ok") == 5 and "two scalers, interleaved" in out
+
+
 def test_unsolved_answer_raises_not_implemented():
     def unsolved(*args, **kwargs):
         raise NotImplementedError("write this part")
@@ -253,9 +412,13 @@ def test_unsolved_answer_raises_not_implemented():
     class Unsolved(Float8LinearFunction):
         forward = staticmethod(unsolved)
 
+    class UnsolvedScaler:
+        def __init__(self, dtype, history_len, margin=0):
+            raise NotImplementedError("DelayedScaler.__init__: write this part")
+
     for check, answers in [(check_tensorwise, (unsolved, dequantize)),
                            (check_tensorwise, (quantize_tensorwise, unsolved)),
                            (check_rowwise, (unsolved, dequantize)), (check_float8_matmul, (unsolved,)),
-                           (check_float8_linear, (Unsolved,))]:
+                           (check_float8_linear, (Unsolved,)), (check_delayed_scaler, (UnsolvedScaler,))]:
         with pytest.raises(NotImplementedError):
             check(*answers)
