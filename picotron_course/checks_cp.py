@@ -19,6 +19,11 @@ picotron.parallel.context_parallel, the module the assignment rebuilds.
                                                0-1, 2-3): the output equals full causal attention;
                                                point-to-point only, (cp-1) K/V blocks sent per rank,
                                                each hop posted before the block it overlaps is computed
+    check_ulysses_attention(ulysses_attention) the stretch part: the same 4 ranks and groups, plain and zig-zag
+                                               layouts: the output equals full causal attention; all-to-alls
+                                               only, handed q, k, v and the output once (K and V with their own
+                                               heads); a ValueError naming cp and both head counts, before any
+                                               communication, when cp does not divide them (8/2 heads on 4 ranks)
 
 Layouts, for a sequence of s tokens over cp ranks: "plain" gives rank r the chunk r of cp chunks
 (s/cp tokens each); "zig-zag" cuts 2 cp chunks and gives rank r chunks r and 2cp-1-r, in that order.
@@ -52,11 +57,11 @@ import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from picotron_course import settings
-from picotron_course.checks import (Report, close_enough, mismatch, on_ranks, one_thread, only_point_to_point,
-                                    patched, preview, rank_tensor)
+from picotron_course.checks import (Report, close_enough, collectives_observed, mismatch, on_ranks, one_thread,
+                                    only_point_to_point, patched, preview, rank_tensor, tensors_in)
 
-__all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "WORLD", "CP_SIZES",
-           "HOP_TIMEOUT"]
+__all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "check_ulysses_attention",
+           "WORLD", "CP_SIZES", "HOP_TIMEOUT"]
 
 WORLD = 4
 CP_SIZES = (4, 2)              # one ring of all 4 ranks; two rings of 2 (ranks 0-1, 2-3)
@@ -152,8 +157,8 @@ def _wrong_masks(seq: int, cp: int, zigzag: bool, rank: int) -> list[tuple[torch
     last = next(s for s in reversed(_ring_sources(rank, cp)) if _pairs_needed(rank, s, cp, zigzag))
     return [
         (kc <= qc, "the diagonal chunk pair (key chunk = query chunk) was attended without the causal mask: there "
-                   "a query sees only its own position and the ones before it, torch.ones(c, c, dtype=torch.bool)"
-                   ".tril()"),
+                   "a query sees only its own position and the ones before it, torch.ones(w, w, dtype=torch.bool)"
+                   ".tril() for chunks of w tokens"),
         ((kc != qc) | (kp <= qp), "key chunks that come after the query chunk were attended: they are the future "
                                   "of every query in the chunk; skip those pairs"),
         (torch.ones(seq, seq, dtype=torch.bool), "it is attention over every key, with no causal mask at all: skip "
@@ -247,7 +252,7 @@ def _course_answer_refused(what: str) -> Iterator[None]:
         return call
 
     names = ("ring_attention", "attention_block", "merge_blocks", "online_softmax_attention", "ulysses_attention",
-             *LAYOUT_NAMES, "take_cp_tokens")
+             "_all_to_all", *LAYOUT_NAMES, "take_cp_tokens", "gather_sequence")
     patches = [(module, name, refuse(module, name)) for name in names for module in (course, blocks)
                if hasattr(module, name)]
     patches += [(layout, name, refuse(layout, name)) for name in LAYOUT_NAMES]
@@ -331,16 +336,14 @@ def _chunks_problem(chunks: list, cp: int, zigzag: bool) -> str:
 def _as_positions(positions: list, seq: int) -> tuple[list[torch.Tensor], str]:
     out = []
     for r, p in enumerate(positions):
-        try:
-            p = torch.as_tensor(p)
-        except (TypeError, ValueError, RuntimeError):
+        if not isinstance(p, torch.Tensor):
             return [], f"rank {r}: rank_positions returned {type(p).__name__}; return a 1-D torch.long tensor"
-        if p.dtype.is_floating_point or p.dtype == torch.bool or p.dim() != 1:
+        if p.dtype != torch.long or p.dim() != 1:          # the task asks for torch.long, the dtype of an index
             return [], (f"rank {r}: rank_positions returned a {p.dim()}-D {str(p.dtype).removeprefix('torch.')} "
                         "tensor; return the positions as a 1-D torch.long tensor (torch.arange, torch.cat)")
         if p.numel() and (int(p.min()) < 0 or int(p.max()) >= seq):
             return [], f"rank {r}: rank_positions holds {_show_list(p.tolist())}, outside [0, {seq})"
-        out.append(p.long())
+        out.append(p)
     return out, ""
 
 
@@ -640,8 +643,8 @@ def _peer_note(result: dict, rank: int, me: int, members: list[int]) -> str:
     if not sends and not recvs:
         return ": this rank sent and received nothing, so it only ever saw its own block"
     return (f": rank {rank} sent to rank(s) {sends} and received from {recvs}; in the ring it sends to the next rank, "
-            f"{nxt}, and receives from the previous, {prv} (global ranks), so that at step t it holds the block of "
-            "group rank (r - t) mod cp")
+            f"{nxt}, and receives from the previous, {prv} (global ranks), so that at step τ it holds the block of "
+            "group rank (r - τ) mod cp")
 
 
 def _bytes_problem(sent: list[int], want: int, block: int, heads: int, kv_heads: int, cp: int) -> str:
@@ -762,3 +765,205 @@ def _deadlock(rank: int, me: int, members: list[int], sends: list, recvs: list, 
             f"from {sorted(set(recvs), key=str)}; in the ring each rank sends to the next rank ({nxt} here) and "
             f"receives from the previous ({prv}), both posted together (dist.batch_isend_irecv), so that every "
             f"send has a matching receive. (gloo: {error.splitlines()[0].split('] ')[-1]})")
+
+
+# ==== 5. stretch: Ulysses ===========================================================================
+# (query heads, key/value heads). The last does not split over the ring of 4: 2 key/value heads for 4 ranks.
+ULYSSES_HEADS = ((4, 4), (8, 4), (8, 2))
+ULYSSES_CASES = [(zigzag, heads, kv_heads) for heads, kv_heads in ULYSSES_HEADS for zigzag in (False, True)]
+ALL_TO_ALL = ("all_to_all", "all_to_all_single")
+
+
+def _splits(cp: int, heads: int, kv_heads: int) -> bool:
+    return heads % cp == 0 and kv_heads % cp == 0
+
+
+def check_ulysses_attention(ulysses_attention: Callable) -> None:
+    """ulysses_attention(q, k, v, group, zigzag) on each rank's slice of the sequence equals full causal attention
+    at its positions. All-to-alls only, handed exactly q, k, v and the output once (their fp32 bytes, K and V
+    with their own heads); where cp does not divide both head counts, a ValueError naming them, before any
+    communication."""
+    _not_the_course_answer("check_ulysses_attention", ulysses_attention)
+    note = ("4 ranks as one group of cp=4 and as two groups of cp=2 (ranks 0-1, 2-3); each rank gets q, k, v of its "
+            "positions. Expected: full causal attention (float64) at those positions; the all-to-alls handed "
+            "q, k, v and the output once: batch x s/cp x d x (2 heads + 2 kv_heads) x 4 B per rank")
+    with Report("ulysses_attention", note=note) as report:
+        try:
+            results = on_ranks(_ulysses_on_rank, WORLD, ulysses_attention, ULYSSES_CASES)
+        except TimeoutError as e:
+            raise AssertionError(f"ulysses_attention did not finish on every rank within {settings.check_timeout:g} s: "
+                                 "a rank waited in a collective the others never joined. Every rank of the group "
+                                 "must call the same all-to-alls, in the same order, with the same sizes. "
+                                 f"{str(e).splitlines()[0]}") from None
+        c = 0
+        for cp in CP_SIZES:
+            for seed, (zigzag, heads, kv_heads) in enumerate(ULYSSES_CASES):
+                per_rank = [r[c] for r in results]
+                c += 1
+                if _splits(cp, heads, kv_heads):
+                    _ulysses_row(report, per_rank, cp, seed, zigzag, heads, kv_heads)
+                else:
+                    _refusal_row(report, per_rank, cp, zigzag, heads, kv_heads)
+
+
+def _ulysses_on_rank(ulysses_attention: Callable, cases: list) -> list:
+    rank, out = dist.get_rank(), []
+    for cp, group in _rings():
+        me, _ = _ring_place(rank, cp)
+        seq = SEQ[cp]
+        for seed, (zigzag, heads, kv_heads) in enumerate(cases):
+            rows = _positions(seq, me, cp, zigzag)
+            q, k, v = (t[:, :, rows].contiguous() for t in _qkv(seq, heads, kv_heads, seed))
+            calls = []
+
+            def record(name: str, arguments: dict) -> None:
+                if name == "all_to_all_single":
+                    given = [arguments.get("input")]
+                elif name == "all_to_all":
+                    given = list(arguments.get("input_tensor_list") or [])
+                else:
+                    given = tensors_in(list(arguments.values()))
+                calls.append((name, sum(t.numel() * t.element_size() for t in given if isinstance(t, torch.Tensor))))
+
+            result = {"out": None, "returned": "", "raised": None, "calls": calls}
+            with collectives_observed(record), _course_answer_refused("ulysses_attention"):
+                try:
+                    got = ulysses_attention(q, k, v, group, zigzag)
+                except NotImplementedError:
+                    raise
+                except Exception as e:
+                    if isinstance(e, RuntimeError) and "timed out" in str(e).lower():
+                        raise AssertionError(f"rank {rank} (rank {me} of its group of {cp}) waited {HOP_TIMEOUT:g} s "
+                                             "in a collective that the other ranks never joined, after "
+                                             f"{[name for name, _ in calls]}: every rank of the group must call the "
+                                             "same all-to-alls, in the same order, with the same sizes") from None
+                    if _splits(cp, heads, kv_heads) or isinstance(e, AssertionError):
+                        raise
+                    result["raised"] = (type(e).__name__, str(e).splitlines()[0] if str(e) else "")   # for the table
+                else:
+                    result["returned"] = type(got).__name__
+                    if isinstance(got, torch.Tensor):
+                        result["out"] = got.detach().float().clone()
+            out.append(result)
+    return out
+
+
+def _a2a_bytes(cp: int, heads: int, kv_heads: int, dtype_bytes: int = 4) -> int:
+    """What one rank hands to the all-to-alls: its s/cp tokens of q and the output (heads), k and v (kv_heads)."""
+    return BATCH * (SEQ[cp] // cp) * HEAD_DIM * (2 * heads + 2 * kv_heads) * dtype_bytes
+
+
+def _ulysses_row(report: Report, per_rank: list, cp: int, seed: int, zigzag: bool, heads: int, kv_heads: int) -> None:
+    seq = SEQ[cp]
+    q, k, v = _qkv(seq, heads, kv_heads, seed)
+    want_out, _ = _attention(q, k, v, _causal(seq))
+    want_bytes = _a2a_bytes(cp, heads, kv_heads)
+    errors, detail = [], ""
+    for rank, result in enumerate(per_rank):
+        me, _ = _ring_place(rank, cp)
+        rows = _positions(seq, me, cp, zigzag)
+        expected, got = want_out[:, :, rows], result["out"]
+        errors.append(_error(got, expected) if got is not None else INF)
+        where = f"rank {rank} (rank {me} of its group of {cp})"
+        if detail:
+            continue
+        if got is None:
+            detail = (f"{where}: ulysses_attention returned {result['returned']}; return this rank's output, one "
+                      "tensor (batch, heads, s/cp, d)")
+        elif got.shape != expected.shape:
+            detail = (f"{where}: the output has shape {tuple(got.shape)}, expected {tuple(expected.shape)}: this "
+                      "rank's s/cp tokens with all the heads. After attention, a second all-to-all gives each rank "
+                      "its tokens back, for every head")
+        elif not close_enough(got, expected, FP32, n=ROUNDINGS):
+            hint = _ulysses_hint(got, q, k, v, seq, cp, zigzag, me)
+            detail = f"{where}: the output is wrong{hint}{_group_note(cp, rank)}. {mismatch(got, expected.float())}"
+    given = [sum(nbytes for _, nbytes in r["calls"]) for r in per_rank]
+    if not detail:
+        detail = _a2a_problem(per_rank, given, want_bytes, cp, heads, kv_heads)
+    report.add(not detail, detail, cp=cp, layout=_layout(zigzag), heads=f"{heads}/{kv_heads}", max_err=max(errors),
+               **{"to all-to-alls/rank (B)": _show_list(sorted(set(given))), "q, k, v, out (B)": want_bytes})
+
+
+def _ulysses_hint(got: torch.Tensor, q, k, v, seq: int, cp: int, zigzag: bool, me: int) -> str:
+    rows = _positions(seq, me, cp, zigzag)
+    arrival = torch.cat([_positions(seq, r, cp, zigzag) for r in range(cp)])     # the order the tokens arrive in
+    index = torch.empty(seq, dtype=torch.long)
+    index[arrival] = torch.arange(seq)                                           # position -> arrival index
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    local = torch.arange(heads) // cp                                            # strided split: head i on rank i % cp
+    strided_kv = (local // group) * cp + torch.arange(heads) % cp                # the K/V head it then reads
+    alternatives = [
+        (torch.ones(seq, seq, dtype=torch.bool), None,
+         ": every key was attended. Inside, each rank runs causal attention over the whole sequence: mask the "
+         "keys after each query"),
+        (index[None, :] <= index[:, None], None,
+         ": the causal mask follows the order the tokens arrived in, not their positions. After the all-to-all "
+         "the sequence comes rank by rank (rank 0's chunks, then rank 1's, ...), which under zig-zag is not "
+         "position order: mask by position (query position >= key position), with the positions of every rank"),
+        (_causal(seq), strided_kv,
+         ": the heads were dealt out in a stride (head i to rank i mod cp), so a query head no longer meets its "
+         "own K/V head. Give each rank a contiguous group: query heads r*heads/cp onwards and K/V heads "
+         "r*kv_heads/cp onwards, so query head i still reads K/V head i // (heads / kv_heads)"),
+    ]
+    for allowed, kv_map, meaning in alternatives:
+        if kv_map is not None and kv_heads == heads:
+            continue                                                             # a stride is harmless without GQA
+        kk, vv = (k, v) if kv_map is None else (k[:, kv_map], v[:, kv_map])     # one K/V head per query head
+        want, _ = _attention(q[:, :, rows], kk, vv, allowed[rows])
+        if got.shape == want.shape and close_enough(got, want, FP32, n=ROUNDINGS):
+            return meaning
+    return ""
+
+
+def _a2a_problem(per_rank: list, given: list, want: int, cp: int, heads: int, kv_heads: int) -> str:
+    for rank, result in enumerate(per_rank):
+        others = sorted({name for name, _ in result["calls"] if name not in ALL_TO_ALL})
+        if others:
+            if any(name in ("send", "isend") for name in others):
+                return (f"rank {rank} sent point to point ({', '.join(others)}); Ulysses moves its tensors with "
+                        "all-to-alls (dist.all_to_all or dist.all_to_all_single): each rank sends piece r of its "
+                        "heads to rank r")
+            return (f"rank {rank} called {', '.join('dist.' + n for n in others)}; Ulysses moves its tensors with "
+                    "all-to-alls only. An all-gather would give every rank every head of every token: cp times the "
+                    "bytes, and every rank holding the whole sequence")
+    for rank, nbytes in enumerate(given):
+        if nbytes == want:
+            continue
+        text = (f"rank {rank} handed {nbytes} B to its all-to-alls; expected q, k, v and the output once, "
+                f"{want} B (batch x s/cp x d x (2 x {heads} + 2 x {kv_heads}) x 4 B)")
+        if nbytes == 0:
+            return f"{text}: it called no all-to-all"
+        if kv_heads != heads and nbytes == _a2a_bytes(cp, heads, heads):
+            return (f"{text}: K and V were repeated to the {heads} query heads before the all-to-all; send them with "
+                    f"their {kv_heads} heads, and repeat them after, on the rank that computes")
+        if nbytes == want - BATCH * (SEQ[cp] // cp) * HEAD_DIM * heads * 4:
+            return f"{text}: the output was not sent back; a second all-to-all returns each rank its tokens"
+        if nbytes == 2 * want:
+            return f"{text}: twice the bytes; keep the tensors in fp32 and send each once"
+        return f"{text}: exchange each of q, k, v once, and the output once"
+    return ""
+
+
+def _refusal_row(report: Report, per_rank: list, cp: int, zigzag: bool, heads: int, kv_heads: int) -> None:
+    detail = ""
+    for rank, result in enumerate(per_rank):
+        raised = result["raised"]
+        where = f"rank {rank}: with {heads} query and {kv_heads} key/value heads on cp={cp} ranks"
+        if raised is None:
+            detail = (f"{where}, ulysses_attention returned {result['returned']}; each rank must get whole heads, so "
+                      "raise ValueError when cp does not divide both head counts, naming them (and suggest ring "
+                      "attention)")
+        elif raised[0] != "ValueError":
+            detail = (f"{where}, it raised {raised[0]} ({raised[1][:120]}); check the head counts first and raise "
+                      "ValueError, naming cp and both head counts")
+        elif not all(f"{n}" in raised[1] for n in (cp, heads, kv_heads)):
+            detail = (f"{where}, the ValueError says {raised[1][:160]!r}; name cp ({cp}) and both head counts "
+                      f"({heads}, {kv_heads}), so the user knows what to change")
+        elif result["calls"]:
+            detail = (f"{where}, it called {[name for name, _ in result['calls']]} before raising; check the head "
+                      "counts before any communication")
+        if detail:
+            break
+    report.add(not detail, detail, cp=cp, layout=_layout(zigzag), heads=f"{heads}/{kv_heads}", max_err="-",
+               **{"to all-to-alls/rank (B)": "ValueError" if not detail else "-", "q, k, v, out (B)": "ValueError"})

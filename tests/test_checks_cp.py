@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from picotron_course import checks_cp
-from picotron_course.checks_cp import check_attend_block, check_layout, check_merge, check_ring_attention
+from picotron_course.checks_cp import (check_attend_block, check_layout, check_merge, check_ring_attention,
+                                       check_ulysses_attention)
 
 INF = math.inf
 
@@ -112,12 +114,66 @@ def ref_ring_group_peer(q, k, v, group, zigzag):
     return out
 
 
+
+# ---- Ulysses (the stretch part) ----------------------------------------------------------------------
+def _heads_fit(q, k, group):
+    cp = dist.get_world_size(group)
+    if q.shape[1] % cp or k.shape[1] % cp:
+        raise ValueError(f"cp={cp} must divide the {q.shape[1]} query and {k.shape[1]} key/value heads; "
+                         "use ring attention")
+    return cp
+
+
+def _swap(x, scatter_dim, gather_dim, group):
+    """One all_to_all_single: piece r of scatter_dim to rank r, what arrives joined along gather_dim in rank order."""
+    cp = dist.get_world_size(group)
+    send = torch.stack(x.chunk(cp, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+def _arrival_positions(seq, cp, zigzag):
+    """The positions of the whole sequence in the order the all-to-all delivers them: rank 0's, rank 1's, ..."""
+    return torch.cat([ref_positions(seq, r, cp, zigzag) for r in range(cp)])
+
+
+def ref_ulysses(q, k, v, group, zigzag):
+    cp = _heads_fit(q, k, group)
+    q, k, v = (_swap(t, 1, 2, group) for t in (q, k, v))                 # (b, heads/cp, s, d): our heads, all tokens
+    pos = _arrival_positions(q.shape[2], cp, zigzag)
+    out, _ = ref_block_attention(q, k, v, pos[:, None] >= pos[None, :])
+    return _swap(out, 2, 1, group)                                          # (b, heads, s/cp, d)
+
+
+def ref_ulysses_lists(q, k, v, group, zigzag):
+    """dist.all_to_all on lists, K and V in one exchange, SDPA with a boolean mask as the core."""
+    cp = _heads_fit(q, k, group)
+
+    def swap(x, scatter_dim, gather_dim):
+        pieces = [p.contiguous() for p in x.chunk(cp, dim=scatter_dim)]
+        received = [torch.empty_like(p) for p in pieces]
+        dist.all_to_all(received, pieces, group=group)
+        return torch.cat(received, dim=gather_dim)
+
+    kv_heads = k.shape[1]
+    q = swap(q, 1, 2)
+    kv = swap(torch.stack([k, v], dim=2).flatten(1, 2), 1, 2)           # (b, 2 kv_heads, ...): k0 v0 k1 v1 ...
+    kv = kv.unflatten(1, (kv_heads // cp, 2))
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    pos = _arrival_positions(q.shape[2], cp, zigzag)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=pos[:, None] >= pos[None, :], enable_gqa=True)
+    return swap(out, 2, 1)
+
+
 CORRECT = [(check_layout, (ref_chunks, ref_positions)), (check_merge, (ref_merge,)),
            (check_attend_block, (ref_attend_block,)), (check_ring_attention, (ref_ring,)),
-           (check_ring_attention, (ref_ring_group_peer,))]
+           (check_ring_attention, (ref_ring_group_peer,)), (check_ulysses_attention, (ref_ulysses,)),
+           (check_ulysses_attention, (ref_ulysses_lists,))]
 
 
-@pytest.mark.parametrize("check, answers", CORRECT, ids=["layout", "merge", "attend_block", "ring", "ring_group_peer"])
+@pytest.mark.parametrize("check, answers", CORRECT, ids=["layout", "merge", "attend_block", "ring", "ring_group_peer",
+                                                         "ulysses", "ulysses_lists"])
 def test_correct_answer_passes(check, answers, capsys):
     check(*answers)
     out = capsys.readouterr().out
@@ -153,6 +209,14 @@ def positions_of_wide_chunks(seq_len, cp_rank, cp_size, zigzag):
 
 def positions_as_floats(seq_len, cp_rank, cp_size, zigzag):
     return ref_positions(seq_len, cp_rank, cp_size, zigzag).float()
+
+
+def positions_as_int32(seq_len, cp_rank, cp_size, zigzag):
+    return ref_positions(seq_len, cp_rank, cp_size, zigzag).int()           # indexes fine, but not what was asked
+
+
+def positions_as_list(seq_len, cp_rank, cp_size, zigzag):
+    return ref_positions(seq_len, cp_rank, cp_size, zigzag).tolist()
 
 
 def positions_overlap(seq_len, cp_rank, cp_size, zigzag):
@@ -411,6 +475,87 @@ def ring_course_answer(q, k, v, group, zigzag):
     return ring_attention(q, k, v, group, zigzag=zigzag)
 
 
+
+# ---- Ulysses ---------------------------------------------------------------------------------------------
+def _ulysses(q, k, v, group, zigzag, mask="position", strided=False, swap_back=True, repeat_kv=False, check=True):
+    """Ulysses with one mistake switched on."""
+    cp = _heads_fit(q, k, group) if check else dist.get_world_size(group)
+    if repeat_kv:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    if strided:                                                              # head i to rank i % cp
+        q, k, v = (_swap(t.unflatten(1, (-1, cp)).transpose(1, 2).flatten(1, 2), 1, 2, group) for t in (q, k, v))
+    else:
+        q, k, v = (_swap(t, 1, 2, group) for t in (q, k, v))
+    seq = q.shape[2]
+    pos = _arrival_positions(seq, cp, zigzag)
+    allowed = {"position": pos[:, None] >= pos[None, :], "arrival": torch.ones(seq, seq, dtype=torch.bool).tril(),
+               "none": None}[mask]
+    out, _ = ref_block_attention(q, k, v, allowed)
+    if not swap_back:
+        return out
+    out = _swap(out, 2, 1, group)
+    if strided:
+        out = out.unflatten(1, (cp, -1)).transpose(1, 2).flatten(1, 2)
+    return out
+
+
+def ulysses_no_mask(q, k, v, group, zigzag):
+    return _ulysses(q, k, v, group, zigzag, mask="none")
+
+
+def ulysses_mask_by_arrival(q, k, v, group, zigzag):
+    return _ulysses(q, k, v, group, zigzag, mask="arrival")
+
+
+def ulysses_strided_heads(q, k, v, group, zigzag):
+    return _ulysses(q, k, v, group, zigzag, strided=True)
+
+
+def ulysses_no_swap_back(q, k, v, group, zigzag):
+    return _ulysses(q, k, v, group, zigzag, swap_back=False)
+
+
+def ulysses_repeats_kv(q, k, v, group, zigzag):
+    return _ulysses(q, k, v, group, zigzag, repeat_kv=True)
+
+
+def ulysses_no_head_check(q, k, v, group, zigzag):
+    return _ulysses(q, k, v, group, zigzag, check=False)
+
+
+def ulysses_checks_after_exchange(q, k, v, group, zigzag):
+    if k.shape[1] % dist.get_world_size(group):
+        _swap(q, 1, 2, group)                          # q's 8 heads split over 4: its exchange runs before the check
+    return ref_ulysses(q, k, v, group, zigzag)
+
+
+def ulysses_vague_error(q, k, v, group, zigzag):
+    cp = dist.get_world_size(group)
+    if k.shape[1] % cp:
+        raise ValueError("bad head count")
+    return ref_ulysses(q, k, v, group, zigzag)
+
+
+def ulysses_all_gather(q, k, v, group, zigzag):
+    """Every rank gathers every token of every head, then keeps its heads: right values, cp times the bytes."""
+    cp, me = _heads_fit(q, k, group), dist.get_rank(group)
+    gathered = []
+    for t in (q, k, v):
+        pieces = [torch.empty_like(t) for _ in range(cp)]
+        dist.all_gather(pieces, t.contiguous(), group=group)
+        gathered.append(torch.cat(pieces, dim=2).chunk(cp, dim=1)[me])
+    seq = gathered[0].shape[2]
+    pos = _arrival_positions(seq, cp, zigzag)
+    out, _ = ref_block_attention(*gathered, pos[:, None] >= pos[None, :])
+    return _swap(out, 2, 1, group)
+
+
+def ulysses_course_answer(q, k, v, group, zigzag):
+    from picotron.parallel.context_parallel import ulysses_attention
+    return ulysses_attention(q, k, v, group)
+
+
 WRONG_ANSWERS = [
     (check_layout, (chunks_mirror_in_first_half, ref_positions), "Pair chunk r with its mirror from the end"),
     (check_layout, (chunks_late_first, ref_positions), "increasing order"),
@@ -442,8 +587,21 @@ WRONG_ANSWERS = [
     (check_ring_attention, (ring_own_block_only,), "only this rank's own K/V block"),
     (check_ring_attention, (ring_returns_lse_too,), "return this rank's output, one tensor"),
     (check_ring_attention, (ring_course_answer,), "the course's answer"),
+    (check_layout, (ref_chunks, positions_as_int32), "1-D torch.long tensor"),
+    (check_layout, (ref_chunks, positions_as_list), "returned list; return a 1-D torch.long tensor"),
+    (check_ulysses_attention, (ulysses_no_mask,), "every key was attended"),
+    (check_ulysses_attention, (ulysses_mask_by_arrival,), "order the tokens arrived in, not their positions"),
+    (check_ulysses_attention, (ulysses_strided_heads,), "dealt out in a stride"),
+    (check_ulysses_attention, (ulysses_no_swap_back,), "a second all-to-all"),
+    (check_ulysses_attention, (ulysses_repeats_kv,), "repeated to the 8 query heads before the all-to-all"),
+    (check_ulysses_attention, (ulysses_no_head_check,), r"name cp \(4\) and both head counts|raise ValueError"),
+    (check_ulysses_attention, (ulysses_checks_after_exchange,), "before any communication"),
+    (check_ulysses_attention, (ulysses_vague_error,), r"name cp \(4\) and both head counts \(8, 2\)"),
+    (check_ulysses_attention, (ulysses_all_gather,), "called dist.all_gather"),
+    (check_ulysses_attention, (ulysses_course_answer,), "the course's answer"),
 ]
-NO_TABLE = (ring_all_gather, ring_group_ranks_as_peers, ring_course_answer)   # a rank raises: no table
+NO_TABLE = (ring_all_gather, ring_group_ranks_as_peers, ring_course_answer,  # a rank raises: no table
+            ulysses_course_answer)
 
 
 def _case_id(check, answers):
@@ -504,5 +662,8 @@ def test_the_check_cases_cover_what_they_promise():
     assert any(heads != kv for _, heads, kv in checks_cp.RING_CASES)             # GQA
     assert any(heads == kv for _, heads, kv in checks_cp.RING_CASES)
     assert {cp for cp, _ in checks_cp.LAYOUT_CASES} >= {2, 4, 8}
+    assert {zigzag for zigzag, _, _ in checks_cp.ULYSSES_CASES} == {False, True}
+    assert any(heads % 4 == 0 and kv % 4 for _, heads, kv in checks_cp.ULYSSES_CASES)    # cannot split over 4 ranks
+    assert any(heads != kv and kv % 4 == 0 for _, heads, kv in checks_cp.ULYSSES_CASES)  # GQA that splits
     names = [case[0] for case in checks_cp.MERGE_CASES]
     assert "nothing seen on either side" in names and "new block fully masked" in names
