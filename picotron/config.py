@@ -51,8 +51,8 @@ class ModelConfig:
     recompute: str = "none"               # activation recomputation: "none", "selective" or "full"
     norm_impl: str = "torch"              # RMSNorm computed by "torch" ops or by picotron's "triton" kernels (ch. 09)
     fp8: str = "none"                     # "none", or the Linears' matmuls in fp8 with a recipe of picotron.fp8 (ch. 10)
-    loss_impl: str = "torch"              # "torch": the LM head's whole logits, then F.cross_entropy; "chunked": head and
-    loss_chunk_tokens: int = 1024         #   loss fused, the logits made and used this many tokens at a time (ch. 09)
+    loss_impl: str = "torch"              # "torch": the whole logits, then F.cross_entropy; "chunked": head and loss
+    loss_chunk_tokens: int = 1024         #   fused, the logits made and used this many tokens at a time (ch. 09)
     # Mixture of experts (picotron.model.MoE, chapter 07): 0 keeps the dense SwiGLU MLP in every layer.
     num_experts: int = 0                  # > 0: MoE layers with this many SwiGLU experts of intermediate_size
     experts_per_token: int = 2            # top-k: experts each token is sent to

@@ -140,6 +140,14 @@ def attention_forward_kernel_v1(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
 
 # ---- forward v2: tiles through tensor descriptors (TMA on Hopper) -------------------------------
 @triton.jit
+def _tiles_of(ptr, batches, heads, seq, head_dim, stride_b, stride_h, stride_s, ROWS: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """A descriptor of a (batch, heads, seq, head_dim) tensor whose loads and stores move (ROWS, BLOCK_D) tiles of
+    one head: on Hopper each is one TMA copy; rows and columns past the end read as zeros and are not written."""
+    return tl.make_tensor_descriptor(ptr, shape=[batches, heads, seq, head_dim],
+                                     strides=[stride_b, stride_h, stride_s, 1], block_shape=[1, 1, ROWS, BLOCK_D])
+
+@triton.jit
 def _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, lo, hi, qk_scale,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                       DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
@@ -180,14 +188,10 @@ def attention_forward_kernel_v2(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     # One descriptor per tensor: its 4-D shape and strides, and the tile a load or store moves. On Hopper a
     # load is one TMA instruction that copies the tile into shared memory, asynchronously, so Triton's
     # pipeliner can keep num_stages tiles of K and V in flight while the tensor cores work on another.
-    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[batches, n_heads, seq_q, head_dim],
-                                       strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[batches, kv_heads, seq_k, head_dim],
-                                       strides=[stride_kb, stride_kh, stride_kn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[batches, kv_heads, seq_k, head_dim],
-                                       strides=[stride_vb, stride_vh, stride_vn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
-    o_desc = tl.make_tensor_descriptor(o_ptr, shape=[batches, n_heads, seq_q, head_dim],
-                                       strides=[stride_ob, stride_oh, stride_om, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
+    q_desc = _tiles_of(q_ptr, batches, n_heads, seq_q, head_dim, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    k_desc = _tiles_of(k_ptr, batches, kv_heads, seq_k, head_dim, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _tiles_of(v_ptr, batches, kv_heads, seq_k, head_dim, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
+    o_desc = _tiles_of(o_ptr, batches, n_heads, seq_q, head_dim, stride_ob, stride_oh, stride_om, BLOCK_M, BLOCK_D)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
     if DOT_FP32:
@@ -355,18 +359,12 @@ def attention_backward_dkdv_kernel_v2(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delt
     start_n = tl.program_id(0) * BLOCK_N
     batch = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
-    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[batches, n_heads, seq_q, head_dim],
-                                       strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
-    do_desc = tl.make_tensor_descriptor(do_ptr, shape=[batches, n_heads, seq_q, head_dim],
-                                        strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[batches, kv_heads, seq_k, head_dim],
-                                       strides=[stride_kb, stride_kh, stride_kn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[batches, kv_heads, seq_k, head_dim],
-                                       strides=[stride_vb, stride_vh, stride_vn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
-    dk_desc = tl.make_tensor_descriptor(dk_ptr, shape=[batches, kv_heads, seq_k, head_dim],
-                                        strides=[stride_gb, stride_gh, stride_gm, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
-    dv_desc = tl.make_tensor_descriptor(dv_ptr, shape=[batches, kv_heads, seq_k, head_dim],
-                                        strides=[stride_gb, stride_gh, stride_gm, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    q_desc = _tiles_of(q_ptr, batches, n_heads, seq_q, head_dim, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    do_desc = _tiles_of(do_ptr, batches, n_heads, seq_q, head_dim, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    k_desc = _tiles_of(k_ptr, batches, kv_heads, seq_k, head_dim, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _tiles_of(v_ptr, batches, kv_heads, seq_k, head_dim, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
+    dk_desc = _tiles_of(dk_ptr, batches, kv_heads, seq_k, head_dim, stride_gb, stride_gh, stride_gm, BLOCK_N, BLOCK_D)
+    dv_desc = _tiles_of(dv_ptr, batches, kv_heads, seq_k, head_dim, stride_gb, stride_gh, stride_gm, BLOCK_N, BLOCK_D)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
     v = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
@@ -388,7 +386,8 @@ def attention_backward_dkdv_kernel_v2(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delt
         else:
             dk, dv = _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n,
                                      seq_q, 0, seq_q, qk_scale, BLOCK_M, BLOCK_D, False, DOT_FP32, PRECISION)
-    dk_desc.store([batch, kv_head, start_n, 0], (dk * scale).to(dk_ptr.dtype.element_ty).reshape(1, 1, BLOCK_N, BLOCK_D))
+    dk = (dk * scale).to(dk_ptr.dtype.element_ty)
+    dk_desc.store([batch, kv_head, start_n, 0], dk.reshape(1, 1, BLOCK_N, BLOCK_D))
     dv_desc.store([batch, kv_head, start_n, 0], dv.to(dv_ptr.dtype.element_ty).reshape(1, 1, BLOCK_N, BLOCK_D))
 
 
@@ -424,16 +423,11 @@ def attention_backward_dq_kernel_v2(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_
     batch = tl.program_id(1) // n_heads
     head = tl.program_id(1) % n_heads
     kv_head = head // group
-    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[batches, n_heads, seq_q, head_dim],
-                                       strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
-    do_desc = tl.make_tensor_descriptor(do_ptr, shape=[batches, n_heads, seq_q, head_dim],
-                                        strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
-    dq_desc = tl.make_tensor_descriptor(dq_ptr, shape=[batches, n_heads, seq_q, head_dim],
-                                        strides=[stride_qb, stride_qh, stride_qm, 1], block_shape=[1, 1, BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[batches, kv_heads, seq_k, head_dim],
-                                       strides=[stride_kb, stride_kh, stride_kn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[batches, kv_heads, seq_k, head_dim],
-                                       strides=[stride_vb, stride_vh, stride_vn, 1], block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    q_desc = _tiles_of(q_ptr, batches, n_heads, seq_q, head_dim, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    do_desc = _tiles_of(do_ptr, batches, n_heads, seq_q, head_dim, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    dq_desc = _tiles_of(dq_ptr, batches, n_heads, seq_q, head_dim, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    k_desc = _tiles_of(k_ptr, batches, kv_heads, seq_k, head_dim, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _tiles_of(v_ptr, batches, kv_heads, seq_k, head_dim, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
     do = do_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
@@ -619,7 +613,8 @@ def attention_backward_v2(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     delta = (do.float() * out.float()).sum(dim=-1)                  # D = rowsum(dO * O): (batch, heads, seq_q)
     dq = torch.empty_like(q)
-    dk, dv = torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)       # per key/value head, in k's dtype
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     block_m, block_n, warps, stages = _blocks(head_dim, backward=True, element_size=q.element_size())
     if blocks is not None:
         block_m, block_n = _checked_blocks(blocks)
@@ -659,7 +654,8 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    scale: float | None = None, blocks: tuple[int, int] | None = None, version: int = 1) -> torch.Tensor:
+                    scale: float | None = None, blocks: tuple[int, int] | None = None,
+                    version: int = 1) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, like F.scaled_dot_product_attention(q, k, v, is_causal=causal,
     scale=scale, enable_gqa=True). q (batch, heads, seq_q, d), k and v (batch, kv_heads, seq_k, d); the causal
     mask is aligned top-left (query i sees keys 0..i), as SDPA's. Differentiable in q, k and v.

@@ -74,7 +74,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             c1 = min(c0 + chunk_size, hidden.shape[0])
             h_c = hidden[c0:c1].to(dtype)
             g = (h_c @ w.T).float()                                                # the logits, recomputed
-            g.sub_(lse[c0:c1, None]).exp_()                                        # softmax from the saved lse, in place
+            g.sub_(lse[c0:c1, None]).exp_()                                        # softmax from the saved lse
             rows = torch.arange(c1 - c0, device=x.device)
             g[rows, flat[c0:c1].clamp(min=0)] -= 1.0                               # minus the one-hot target
             g *= (counted[c0:c1] * scale)[:, None]

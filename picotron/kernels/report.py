@@ -63,13 +63,14 @@ class CompileReport:
     tiles: str = ""
 
     def row(self) -> str:
-        return (f"| {self.name} | {self.tiles} | {self.warps} | {self.stages} | {self.registers} | {self.local_bytes} | "
+        return (f"| {self.name} | {self.tiles} | {self.warps} | {self.stages} | {self.registers} | "
+                f"{self.local_bytes} | "
                 f"{self.shared_bytes / 1024:.0f} KiB | {self.hgmma} | {self.hmma} | {self.tma_loads} | "
                 f"{self.async_copies} | {self.global_loads} |")
 
 
-HEADER = ("| kernel | tiles | warps | stages | registers | local (spill) B | shared | HGMMA | HMMA | UTMALDG | LDGSTS | "
-          "LDG |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| kernel | tiles | warps | stages | registers | local (spill) B | shared | HGMMA | HMMA | UTMALDG | "
+          "LDGSTS | LDG |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _cuobjdump(*args: str) -> str:
