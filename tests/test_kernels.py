@@ -435,6 +435,19 @@ def test_flash_attention_forward_v2_equals_v1_and_sdpa(case, causal):
     tolerance.assert_close(lse, lse_v1, n=head_dim + seq_k)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_flash_attention_forward_v3_autotuned_equals_sdpa(causal):
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 70, 32, device=DEVICE)
+    k, v = (torch.randn(1, 2, 70, 32, device=DEVICE) for _ in range(2))
+    out, lse = attention.attention_forward_v3(q, k, v, causal)
+    tolerance.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+                           n=32 + 2 * 70)
+    tolerance.assert_close(lse, attention.attention_forward_v2(q, k, v, causal)[1], n=32 + 70)
+    best = attention.attention_forward_kernel_v3.best_config.kwargs
+    assert best["BLOCK_M"] % best["BLOCK_N"] == 0
+
+
 def test_flash_attention_v2_refuses_rows_tma_cannot_read():
     q = torch.randn(1, 2, 16, 6, device=DEVICE, dtype=torch.float16)    # 12-byte rows
     with pytest.raises(ValueError, match="16-byte aligned rows"):
@@ -572,9 +585,11 @@ def test_compile_report_for_an_h100_shows_what_each_version_changed():
                           text=True, cwd=ROOT, timeout=300,
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stderr[-4000:]
-    reports = {r["name"]: r for r in json.loads(done.stdout)}
-    assert len(reports) == 16 and all(r["arch"] == 90 for r in reports.values())
-    assert all(r["local_bytes"] == 0 and r["shared_bytes"] <= 227 * 1024 for r in reports.values()), reports
+    rows = json.loads(done.stdout)
+    reports = {r["name"]: r for r in rows}
+    assert len(rows) == 22 and all(r["arch"] == 90 for r in rows)
+    assert all(r["local_bytes"] == 0 and r["shared_bytes"] <= 227 * 1024 for r in rows), rows   # every v3 config too
+    assert sum(r["name"] == "attention_forward_kernel_v3" for r in rows) == len(attention._FORWARD_CONFIGS)
     v1, v2 = reports["attention_forward_kernel_v1"], reports["attention_forward_kernel_v2"]
     assert v1["hgmma"] > 0 and v2["hgmma"] > 0 and v1["hmma"] == v2["hmma"] == 0
     assert v1["tma_loads"] == 0 and v1["global_loads"] > 0

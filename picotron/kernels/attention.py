@@ -26,6 +26,9 @@ Versions (kernels `attention_forward_kernel_vN`, `attention_backward_dkdv_kernel
                  Compiled for sm_90 (python -m picotron.kernels.report): 142 registers instead of 242, no
                  loads into registers, 13 TMA loads, 129 KiB of shared memory for 3 stages. Rows must be
                  16-byte aligned (TMA's rule).
+    forward v3   v2's kernel under @triton.autotune: BLOCK_M, BLOCK_N, num_warps and num_stages timed per
+                 (seq_q, seq_k, head_dim, causal) among six configs. (`warp_specialize=True` on its loop
+                 compiles for sm_90 with triton 3.9 but gives the same cubin: not used.)
     backward v1  FlashAttention-2's, two kernels, so that no two programs add into the same rows (no
                  atomics): dkdv, one block of keys per program, loops over the query blocks that see
                  it, recomputes P = exp(S - L) and accumulates dV = P^T dO, dK = dS^T Q * scale;
@@ -57,7 +60,8 @@ from picotron.kernels.runtime import INTERPRETED, check_device
 
 __all__ = ["attention_forward_kernel_v1", "attention_forward_kernel_v2", "attention_backward_dkdv_kernel_v1",
            "attention_backward_dq_kernel_v1", "attention_backward_dkdv_kernel_v2", "attention_backward_dq_kernel_v2",
-           "attention_forward_v1", "attention_forward_v2", "attention_backward_v1", "attention_backward_v2", "VERSIONS",
+           "attention_forward_kernel_v3", "attention_forward_v1", "attention_forward_v2", "attention_forward_v3",
+           "attention_backward_v1", "attention_backward_v2", "VERSIONS",
            "FlashAttentionFunction", "flash_attention", "attention_flops"]
 
 LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e))
@@ -213,6 +217,19 @@ def attention_forward_kernel_v2(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     o_desc.store([batch, head, start_m, 0], out.to(o_ptr.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
     lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
     tl.store(lse_ptr + (batch * n_heads + head) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+
+
+# ---- forward v3: v2 with its tiles, warps and stages chosen by timing (autotuning) ------------------------
+# The best tile shape depends on the GPU, head_dim and the sequence: FlashAttention-2 and Triton's tutorial
+# both pick among a few. Every config keeps BLOCK_M a multiple of BLOCK_N (the causal split needs it); one
+# whose shared memory does not fit is skipped by the autotuner. In the interpreter only the first runs: timing
+# Python there would pick nothing a GPU would.
+_FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                    for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4), (64, 64, 4, 3),
+                                       (128, 32, 4, 4), (256, 64, 8, 2))]
+attention_forward_kernel_v3 = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)] if INTERPRETED
+    else _FORWARD_CONFIGS, key=["seq_q", "seq_k", "head_dim", "CAUSAL"])(attention_forward_kernel_v2)
 
 
 # ---- backward v1 ------------------------------------------------------------------------------
@@ -563,6 +580,27 @@ def attention_forward_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         batch, heads, k.shape[1], group, seq_q, seq_k, head_dim, scale * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def attention_forward_v3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                         scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As attention_forward_v2, with BLOCK_M, BLOCK_N, num_warps and num_stages found by timing the configs of
+    _FORWARD_CONFIGS the first time a (seq_q, seq_k, head_dim, causal) is seen (v3);
+    attention_forward_kernel_v3.best_config tells which won."""
+    group = _check_shapes(q, k, v)
+    q, k, v = _last_dim_contiguous(q, k, v)
+    _check_tma(q, k, v)
+    batch, heads, seq_q, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
+    if not INTERPRETED:
+        triton.set_allocator(_tma_scratch)
+    attention_forward_kernel_v3[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        batch, heads, k.shape[1], group, seq_q, k.shape[2], head_dim, scale * LOG2E,
+        BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype))
     return out, lse
 
 

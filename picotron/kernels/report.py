@@ -90,6 +90,18 @@ def _jit_function(kernel):
     return kernel
 
 
+def _name(kernel) -> str:
+    """The kernel's name; an autotuned version of another kernel is named by the module attribute it is bound to."""
+    import importlib
+    fn = _jit_function(kernel)
+    if kernel is not fn:
+        module = importlib.import_module(fn.fn.__module__)
+        bound = [name for name, value in vars(module).items() if value is kernel]
+        if bound:
+            return bound[0]
+    return fn.__name__
+
+
 def compile_report(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int = 3, *, arch: int = 90,
                    name: str | None = None) -> CompileReport:
     """Compile `kernel` (a @triton.jit function, not interpreted) for sm_`arch` and read its cubin.
@@ -150,6 +162,9 @@ def h100_builds() -> list[tuple]:
     block_m, block_n, warps, stages = attention._blocks(128, element_size=2)
     for kernel in (attention.attention_forward_kernel_v1, attention.attention_forward_kernel_v2):
         builds.append((kernel, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages))
+    for config in attention._FORWARD_CONFIGS:     # forward v3: v2's kernel, each config its autotuner may pick
+        builds.append((attention.attention_forward_kernel_v3, tensors, dict(flash, **config.kwargs), config.num_warps,
+                       config.num_stages))
     block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=2)
     for kernel in (attention.attention_backward_dkdv_kernel_v1, attention.attention_backward_dq_kernel_v1,
                    attention.attention_backward_dkdv_kernel_v2, attention.attention_backward_dq_kernel_v2):
@@ -179,10 +194,10 @@ def main(argv: list[str] | None = None) -> list[CompileReport]:
     parser.add_argument("--only", default="", help="only the kernels whose name contains this (e.g. attention)")
     args = parser.parse_args(argv)
     _compiler_mode()
-    builds = [build for build in h100_builds() if args.only in _jit_function(build[0]).__name__]
+    builds = [build for build in h100_builds() if args.only in _name(build[0])]
     if not builds:
         raise SystemExit(f"no kernel's name contains {args.only!r}")
-    reports = [compile_report(kernel, types, constexprs, warps, stages, arch=args.arch)
+    reports = [compile_report(kernel, types, constexprs, warps, stages, arch=args.arch, name=_name(kernel))
                for kernel, types, constexprs, warps, stages in builds]
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in reports], indent=1))
