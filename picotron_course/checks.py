@@ -28,7 +28,9 @@ Tools: `rank_tensor` (per-rank data the parent can recompute), `close_enough` (e
 float round-off of n additions, from picotron.tolerance) / `close_in_training` (the course's
 claim for gradients step after step) / `max_abs_error` / `mismatch` (where two tensors differ
 most, for the `detail` of a failed row), `only_point_to_point` (collectives raise inside the
-block; bytes sent point-to-point are counted), `on_ranks` (run with the course timeout).
+block; bytes sent point-to-point are counted), `on_ranks` (run with the course timeout),
+`watch_calls` / `refusing` (which of the course's own functions an answer called, however it
+imported or renamed them).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -49,8 +53,48 @@ from picotron.launch import device, run
 
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "close_in_training", "max_abs_error",
            "mismatch", "on_ranks", "one_thread", "patched", "collective_patches", "collectives_observed", "payload_of",
-           "tensors_in", "only_point_to_point", "check_chunk_to_send", "check_reduce_scatter_phase",
+           "tensors_in", "only_point_to_point", "watch_calls", "refusing", "check_chunk_to_send", "check_reduce_scatter_phase",
            "check_all_gather_phase", "check_ring_all_reduce", "check_recursive_doubling_all_reduce"]
+
+# ---- which functions an answer called ----------------------------------------------------------
+@contextmanager
+def watch_calls(name_of: Callable) -> Iterator[list[str]]:
+    """Inside the block, note every Python function call for which name_of(frame) gives a name (each name once,
+    in order). sys.setprofile sees the function's code, not the name it was called by, so an answer cannot hide
+    a call by importing the function under another name."""
+    called: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            name = name_of(frame)
+            if name and name not in called:
+                called.append(name)
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield called
+    finally:
+        sys.setprofile(previous)
+
+
+@contextmanager
+def refusing(what: str, answers: dict) -> Iterator[None]:
+    """Raise AssertionError after the block if it called one of `answers`: {code object or file name: its name}."""
+    wanted = {Path(k).resolve() if isinstance(k, str) else k: name for k, name in answers.items()}
+    files: dict[str, Path] = {}
+
+    def name_of(frame):
+        code = frame.f_code
+        if code.co_filename not in files:
+            files[code.co_filename] = Path(code.co_filename).resolve()
+        return wanted.get(code) or wanted.get(files[code.co_filename])
+
+    with watch_calls(name_of) as called:
+        yield
+    if called:
+        raise AssertionError(f"{what} called {called[0]}, which does this exercise for you; write your own")
+
 
 # ---- reporting ----------------------------------------------------------------------------
 class Report:

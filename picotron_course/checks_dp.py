@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -38,7 +37,7 @@ from torch import nn
 from picotron import tolerance
 from picotron.config import ModelConfig
 from picotron_course.checks import (Report, close_enough, close_in_training, max_abs_error, mismatch, on_ranks,
-                                    one_thread, rank_tensor)
+                                    one_thread, rank_tensor, watch_calls)
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_grad_views", "check_grad_bucket", "check_hooks", "check_data_parallel", "check_assign_buckets",
@@ -476,18 +475,12 @@ def ready_order(model: nn.Module) -> list[nn.Parameter]:
 @contextmanager
 def _course_plan_calls() -> Iterator[list[str]]:
     """Inside the block, note every call of the course's own bucket plans, however they were imported."""
-    called: list[str] = []
+    def name_of(frame):
+        where = (frame.f_globals.get("__name__"), frame.f_code.co_name)
+        return f"{where[0]}.{where[1]}" if where in COURSE_PLANS else None
 
-    def profile(frame, event, arg):
-        if event == "call" and (frame.f_globals.get("__name__"), frame.f_code.co_name) in COURSE_PLANS:
-            called.append(f"{frame.f_globals['__name__']}.{frame.f_code.co_name}")
-
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
+    with watch_calls(name_of) as called:
         yield called
-    finally:
-        sys.setprofile(previous)
 
 
 def _plan_problem(plan, model: nn.Module, ready: list, bucket_numel: int) -> str:

@@ -26,11 +26,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
-import sys
 import weakref
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +39,7 @@ from picotron.config import PRESETS, ModelConfig
 from picotron.memory_tracking import SavedActivations
 from picotron.model import DecoderLayer, Llama, Rotary, eager_attention
 from picotron.model import recompute as course_recompute
-from picotron_course.checks import Report, one_thread
+from picotron_course.checks import Report, one_thread, refusing
 
 __all__ = ["check_num_params", "check_activation_bytes", "check_recompute", "check_checkpoint_plan", "SavedStorages",
            "saved_by_layer", "measure_plan", "PARAM_SHAPES", "ACTIVATION_CASES", "RECOMPUTE_CASES", "PLAN_SHAPES"]
@@ -124,34 +121,6 @@ COSTS_FILE = importlib.util.find_spec("picotron.costs").origin      # the one-pr
 CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 
-@contextmanager
-def _refusing(what: str, answers: dict) -> Iterator[None]:
-    """Raise AssertionError after the block if it called one of `answers` (code objects or file names).
-
-    sys.setprofile sees every Python function call, however it was imported or renamed.
-    """
-    wanted = {Path(k).resolve() if isinstance(k, str) else k: name for k, name in answers.items()}
-    files: dict[str, Path] = {}
-    called: list[str] = []
-
-    def profile(frame, event, arg):
-        if event != "call":
-            return
-        code = frame.f_code
-        if code.co_filename not in files:
-            files[code.co_filename] = Path(code.co_filename).resolve()
-        name = wanted.get(code) or wanted.get(files[code.co_filename])
-        if name and name not in called:
-            called.append(name)
-
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        yield
-    finally:
-        sys.setprofile(previous)
-    if called:
-        raise AssertionError(f"{what} called {called[0]}, which does this exercise for you; write your own")
 
 
 # ==== 1. the parameter count ====================================================================
@@ -179,7 +148,7 @@ def check_num_params(num_params: Callable[[ModelConfig], int]) -> None:
             with torch.device("meta"):  # shapes without memory: the 8B model builds in a moment
                 model = Llama(config)
             counted = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
-            with _refusing("num_params", answers):
+            with refusing("num_params", answers):
                 got = num_params(dataclasses.replace(config))  # a copy: the answer cannot change our config
             ok = isinstance(got, int) and got == counted
             detail = "" if ok else _param_hint(model, config, got, counted)
@@ -271,7 +240,7 @@ def check_activation_bytes(activation_bytes_per_layer: Callable) -> None:
                 config = dataclasses.replace(ACTIVATION_SHAPES[shape], attention=attention)
                 measured = measure_layer(config, batch, seq, dtype)
                 a = torch.tensor([], dtype=dtype).element_size()
-                with _refusing("activation_bytes_per_layer",
+                with refusing("activation_bytes_per_layer",
                                {MEMORY_FILE: "picotron.memory", COSTS_FILE: "picotron.costs",
                                 DecoderLayer.forward.__code__:
                                 "a DecoderLayer (the formula must come from the shape; the check measures)"}):
@@ -416,7 +385,7 @@ def check_recompute(recompute: Callable) -> None:
             as report, one_thread():
         for name, case in RECOMPUTE_CASES:
             plain = _run_recompute_case(case, _plain)
-            with _refusing("recompute", answers):
+            with refusing("recompute", answers):
                 try:
                     yours, error = _run_recompute_case(case, recompute), None
                 except NotImplementedError:
@@ -561,7 +530,7 @@ def check_checkpoint_plan(peak_saved_bytes: Callable, checkpoint_plan: Callable)
         for name, (config, batch, seq) in PLAN_SHAPES.items():
             for plan in _peak_plans(config.num_layers):
                 _, peak = measured[name][frozenset(plan)]
-                with _refusing("peak_saved_bytes", answers):
+                with refusing("peak_saved_bytes", answers):
                     got = peak_saved_bytes(dataclasses.replace(config), batch, seq, list(plan))
                 ok = isinstance(got, int) and not isinstance(got, bool) and got == peak
                 detail = "" if ok else _peak_hint(measured[name], config, plan, got)
@@ -572,7 +541,7 @@ def check_checkpoint_plan(peak_saved_bytes: Callable, checkpoint_plan: Callable)
             for budget in _budgets([peak for _, peak in peaks.values()]):
                 fitting = [plan for plan, (_, peak) in peaks.items() if peak <= budget]
                 fewest = min(map(len, fitting), default=None)
-                with _refusing("checkpoint_plan", answers):
+                with refusing("checkpoint_plan", answers):
                     try:
                         got, error = checkpoint_plan(dataclasses.replace(config), batch, seq, budget), None
                     except ValueError as e:

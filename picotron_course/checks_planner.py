@@ -39,8 +39,7 @@ from typing import Callable
 
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from picotron.layout import validate
-from picotron_course.checks import Report, on_ranks
-from picotron_course.checks_memory import _refusing
+from picotron_course.checks import Report, on_ranks, refusing
 from picotron.memory import (
     GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage, parameters_on_rank,
     state_bytes_on_rank)
@@ -161,7 +160,7 @@ def check_params_on_first_stage(params_on_first_stage: Callable[[ModelConfig, La
             as report:
         for name, model, layout, _, _ in MEMORY_CASES:
             expected = parameters_on_rank(model, plan_of(layout).parallel, 0).total
-            with _refusing("params_on_first_stage", ANSWERS):
+            with refusing("params_on_first_stage", ANSWERS):
                 got = params_on_first_stage(dataclasses.replace(model), layout)
             ok = isinstance(got, int) and got == expected
             report.add(ok, "" if ok else _params_hint(model, layout, got, expected), case=name,
@@ -195,7 +194,7 @@ def check_memory_per_gpu(memory_per_gpu: Callable) -> None:
         for name, model, layout, seq, batch in MEMORY_CASES:
             for precision in (("bf16-mixed", "fp32") if layout.gpus == 1 else ("bf16-mixed",)):
                 expected = _expected_memory(model, layout, seq, batch, precision)
-                with _refusing("memory_per_gpu", ANSWERS):
+                with refusing("memory_per_gpu", ANSWERS):
                     got = memory_per_gpu(dataclasses.replace(model), layout, seq, batch, precision)
                 detail = _memory_problem(got, expected, parts)
                 total = sum(got.values()) if isinstance(got, dict) and all(p in got for p in parts) else math.nan
@@ -205,7 +204,7 @@ def check_memory_per_gpu(memory_per_gpu: Callable) -> None:
         measured = on_ranks(_run_on_rank, 4)
         for (name, layout, batch) in RUN_CASES:
             first = max((rank[name] for rank in measured if rank[name]["pp_rank"] == 0), key=lambda r: r["total"])
-            with _refusing("memory_per_gpu", ANSWERS):
+            with refusing("memory_per_gpu", ANSWERS):
                 got = memory_per_gpu(dataclasses.replace(RUN_MODEL), layout, RUN_SEQ, batch, "fp32")
             total = sum(got.values()) if isinstance(got, dict) else math.nan
             ok = isinstance(got, dict) and abs(total / first["total"] - 1) < 0.02
@@ -305,7 +304,7 @@ def _check_times(title: str, step_time: Callable, cases: list) -> None:
                             "sends; bf16-mixed, kernels at ASSUMED_MFU of peak") as report:
         for name, model, layout, cluster, seq, batch in cases:
             expected, parts = planner_step_time(model, layout, cluster, seq, batch)
-            with _refusing(title, TIME_ANSWERS):
+            with refusing(title, TIME_ANSWERS):
                 got = step_time(dataclasses.replace(model), layout, cluster, seq, batch)
             ok = isinstance(got, (int, float)) and abs(got / expected - 1) < 0.01
             detail = "" if ok else ("the planner's parts: " + ", ".join(f"{k} {v:.4g} s" for k, v in parts.items()
@@ -394,7 +393,7 @@ def check_best_layout(best_layout: Callable) -> None:
             limit = 0.9 * cluster.gpu_memory
             fastest = min(((t, layout) for layout, (memory, t) in priced.items() if memory <= limit),
                           key=lambda x: x[0])
-            with _refusing("best_layout", ANSWERS):
+            with refusing("best_layout", ANSWERS):
                 got = best_layout(dataclasses.replace(model), cluster, seq, batch)
             if got not in priced:
                 report.add(False, f"return one of candidate_layouts(...), a Layout (got {got!r})", case=name,

@@ -37,7 +37,6 @@ The checks look for it explicitly.
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from fractions import Fraction
 from typing import Callable, Iterator
@@ -47,7 +46,8 @@ import torch.distributed as dist
 
 from picotron import tolerance
 from picotron.config import ModelConfig
-from picotron_course.checks import Report, close_in_training, max_abs_error, mismatch, on_ranks, one_thread
+from picotron_course.checks import (Report, close_in_training, max_abs_error, mismatch, on_ranks, one_thread,
+                                    watch_calls)
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_afab_actions", "check_one_f_one_b_actions", "check_one_f_one_b_training", "check_zb_h1_actions",
@@ -81,18 +81,8 @@ def _course_schedules_watched() -> Iterator[list[str]]:
     import picotron.parallel.pipeline_schedules as module
 
     codes = {getattr(module, name).__code__: name for name in COURSE_SCHEDULES if hasattr(module, name)}
-    called: list[str] = []
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code in codes:
-            called.append(codes[frame.f_code])
-
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
+    with watch_calls(lambda frame: codes.get(frame.f_code)) as called:
         yield called
-    finally:
-        sys.setprofile(previous)
 
 
 def _lists(fn: Callable, pp: int, m: int) -> list:
