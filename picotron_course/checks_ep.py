@@ -17,6 +17,13 @@ picotron.parallel.expert_parallel or picotron.model's MoE, the code the assignme
     check_expert_parallel_moe(permute, dispatch, combine)
                                   the whole layer, router and experts included, equals the dense loop: y, x.grad
                                   and every local expert's weight gradients; 3 all-to-alls forward, 2 backward
+    check_capacity_moe(capacity_moe)
+                                  stretch, one process: each expert keeps at most C = ceil(factor T k / E) slots in
+                                  GShard's priority (first choices first, then token order); out = x + the kept
+                                  slots' gate-weighted outputs, each expert called once; gradients. The reference
+                                  is a plain loop written from the task text, in float64
+    unpermute_demo(unpermute)     predict, then run: a given way back from the experts' order to the tokens, in a
+                                  layer and in a small causal LM trained beside the right one (not a check)
 
 The routings cover random top-2 and top-1, a skewed one where experts 6 and 7 get no token (so with
 ep = 4 rank 3 receives nothing), and one where rank 1 sends no row to one of the ranks.
@@ -40,11 +47,11 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
 from picotron_course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
-                                    on_ranks, payload_of, rank_tensor)
+                                    on_ranks, one_thread, payload_of, rank_tensor)
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",
-           "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe", "WORLD", "EP_SIZES", "NUM_EXPERTS",
-           "HIDDEN"]
+           "check_capacity_moe", "unpermute_demo", "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe",
+           "WORLD", "EP_SIZES", "NUM_EXPERTS", "HIDDEN"]
 
 WORLD = 4
 EP_SIZES = (4, 2)          # one ep group of all 4 ranks; two groups of 2 (ranks 0-1, 2-3)
@@ -1245,3 +1252,349 @@ def _moe_on_rank(permute: Callable, dispatch: Callable, combine: Callable) -> li
             result.update(backward=backward, x_grad=_grad(x), w_grads=[(_grad(a), _grad(b)) for a, b in weights])
             _all_ok(True, group)
     return out
+
+
+# ---- 6. predict, then run: expert outputs that never went home ------------------------------------
+# A layer in one process (ep = 1: both all-to-alls send nothing anywhere), built the assignment's way:
+# route, permute, one matmul per expert, then an `unpermute(outputs, order, gates)` that puts each row
+# back in its token. The demo runs a given unpermute beside the right one (the check's own).
+DEMO_TOKENS, DEMO_EXPERTS, DEMO_TOP_K = 16, 4, 2     # the one-layer look: 16 tokens, 4 experts, top-2
+DEMO_LM = dict(hidden_size=64, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_seq_len=64)                       # a small causal LM whose MLPs are MoE layers
+DEMO_STEPS, DEMO_BATCH, DEMO_SEQ, DEMO_LR = 100, 8, 32, 3e-3
+DEMO_CUT = 5                                         # the position whose output must not see the tokens after it
+
+
+def _permute(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """The check's permute: rows grouped by expert (stable), order[i] = slot of row i, counts per expert."""
+    k = expert_ids.shape[1]
+    slots = expert_ids.flatten()
+    order = slots.argsort(stable=True)
+    return tokens[torch.div(order, k, rounding_mode="floor")], order, torch.bincount(slots, minlength=num_experts)
+
+
+def _unpermute(outputs: torch.Tensor, order: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """The right way back: row i is slot order[i], token order[i] // k, gate gates.flatten()[order[i]]."""
+    k = gates.shape[1]
+    weighted = outputs * gates.flatten()[order].unsqueeze(-1).to(outputs.dtype)
+    token = torch.div(order, k, rounding_mode="floor")
+    return outputs.new_zeros(gates.shape[0], outputs.shape[1]).index_add(0, token, weighted)
+
+
+class _DemoMoE(torch.nn.Module):
+    """Router (top-k of a softmax, renormalised), permute, one SwiGLU-free MLP per expert, `unpermute`."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, unpermute: Callable):
+        super().__init__()
+        self.top_k, self.unpermute = top_k, unpermute
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(hidden, ffn, bias=False), torch.nn.SiLU(),
+                                torch.nn.Linear(ffn, hidden, bias=False)) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])                        # (T, h): every sequence of the batch
+        top, ids = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        gates = top / top.sum(-1, keepdim=True)                    # (T, k)
+        rows, order, counts = _permute(tokens, ids, len(self.experts))
+        outputs = torch.cat([expert(block) for expert, block in zip(self.experts, rows.split(counts.tolist()))])
+        return self.unpermute(outputs, order, gates).view(x.shape)
+
+
+def _demo_layer(unpermute: Callable) -> dict:
+    """One layer on 16 tokens: how far y is from the right y, which tokens are right, and which tokens
+    the output of token 0 depends on."""
+    torch.manual_seed(0)
+    layer = _DemoMoE(HIDDEN, FFN, DEMO_EXPERTS, DEMO_TOP_K, unpermute)
+    right = _DemoMoE(HIDDEN, FFN, DEMO_EXPERTS, DEMO_TOP_K, _unpermute)
+    right.load_state_dict(layer.state_dict())
+    x = rank_tensor(900, (DEMO_TOKENS, HIDDEN), FP32).requires_grad_()
+    y, want = layer(x), right(x).detach()
+    scale = want.abs().max().item()
+    per_token = (y.detach() - want).abs().amax(-1)
+    (grad_x,) = torch.autograd.grad(y[0].sum(), x)
+    return {"error": per_token.max().item() / scale,
+            "right tokens": [t for t in range(DEMO_TOKENS) if close_enough(y[t].detach(), want[t], FP32, n=ROUNDINGS,
+                                                                           scale=scale)],
+            "token 0 reads": [t for t in range(DEMO_TOKENS) if grad_x[t].abs().max() > 0]}
+
+
+def _demo_training(unpermute: Callable, dataset) -> dict:
+    """The small LM trained DEMO_STEPS AdamW steps: its losses, a held-out loss, and how much the output at
+    position DEMO_CUT changes when the tokens after it are cut off (0 up to rounding in a causal model)."""
+    from picotron.config import ModelConfig
+    from picotron.data import DataLoader
+    from picotron.model import Llama, loss_fn
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(**DEMO_LM))
+    for layer in model.layers:                                     # every MLP becomes an MoE layer
+        layer.mlp = _DemoMoE(DEMO_LM["hidden_size"], DEMO_LM["intermediate_size"], DEMO_EXPERTS, DEMO_TOP_K,
+                             unpermute)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=DEMO_LR)
+    loader = DataLoader(dataset, DEMO_BATCH)
+    losses = []
+    for step in range(DEMO_STEPS):
+        batch = loader.get_batch(step)
+        loss = loss_fn(model(batch.input_ids), batch.targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        held_out = loader.get_batch(10_000)
+        held = loss_fn(model(held_out.input_ids), held_out.targets).item()
+        ids = held_out.input_ids[:1]
+        whole, cut = model(ids)[0, DEMO_CUT], model(ids[:, :DEMO_CUT + 1])[0, DEMO_CUT]
+    return {"losses": losses, "held-out": held, "future": (whole - cut).abs().max().item()}
+
+
+def unpermute_demo(unpermute: Callable) -> dict:
+    """Run `unpermute(outputs, order, gates)` inside an MoE layer in one process, beside the right one.
+
+    Prints, for one layer of 16 tokens: the error of y, the tokens whose y is right, the tokens that
+    token 0's output depends on; then, for a 2-layer causal LM whose MLPs are such MoE layers, trained
+    DEMO_STEPS steps on the course's arithmetic corpus: the loss curve, a held-out loss, and how much the
+    output at position DEMO_CUT changes when the tokens after it are cut off. Returns the numbers printed.
+    A few seconds on one CPU core."""
+    from picotron.config import TrainConfig
+    from picotron.data import build_dataset
+    with one_thread():
+        numbers = {"layer": _demo_layer(unpermute), "right layer": _demo_layer(_unpermute)}
+        data = build_dataset(TrainConfig(seq_len=DEMO_SEQ))
+        numbers |= {"training": _demo_training(unpermute, data), "right training": _demo_training(_unpermute, data)}
+    layer = numbers["layer"]
+    print(f"one layer, {DEMO_TOKENS} tokens, {DEMO_EXPERTS} experts, top-{DEMO_TOP_K}, with "
+          f"{getattr(unpermute, '__name__', 'your unpermute')}:")
+    print(f"  largest error of y: {layer['error']:.2f} x max |y|")
+    print(f"  tokens whose y is right: {layer['right tokens']} ({len(layer['right tokens'])} of {DEMO_TOKENS})")
+    print(f"  y[0] depends on the inputs of tokens {layer['token 0 reads']} (the right layer: "
+          f"{numbers['right layer']['token 0 reads']})")
+    print(f"a {DEMO_LM['num_layers']}-layer causal LM with these MoE layers, {DEMO_STEPS} AdamW steps of "
+          f"{DEMO_BATCH} x {DEMO_SEQ} tokens:")
+    print(f"  {'':<22}{'loss at step 0':>15}{'25':>7}{'50':>7}{DEMO_STEPS - 1:>7}{'held out':>10}"
+          f"{'future -> position ' + str(DEMO_CUT):>26}")
+    name = getattr(unpermute, "__name__", "yours")[:22]
+    for name, run in ((name, numbers["training"]), ("the right unpermute", numbers["right training"])):
+        curve = "".join(f"{run['losses'][s]:>7.3f}" for s in (25, 50, DEMO_STEPS - 1))
+        print(f"  {name:<22}{run['losses'][0]:>15.3f}{curve}{run['held-out']:>10.3f}{run['future']:>26.1e}")
+    return numbers
+
+
+# ---- 7. stretch: a capacity per expert, the overflow dropped ------------------------------------------
+# (name, tokens, top_k, experts, capacity factor, logit bias {expert: bias}). Factors are exact in binary, so
+# capacity_factor * T * k / E has no rounding to argue about. "first choices first": expert 0 is many tokens'
+# second choice and a few tokens' first, so keeping slots in token order keeps other slots than GShard's rule.
+CAPACITY_CASES = [("random, factor 1", 12, 2, 4, 1.0, {}),
+                  ("ceil: C = 7, not 6", 10, 2, 4, 1.25, {1: 1.5}),
+                  ("first choices first", 12, 2, 4, 1.0, {0: 1.2}),
+                  ("top-1 (Switch)", 10, 1, 4, 1.0, {2: 1.0}),
+                  ("top-3, factor 0.75", 8, 3, 6, 0.75, {}),
+                  ("factor 0.5: tokens lose every expert", 8, 2, 4, 0.5, {}),
+                  ("factor 4: nothing dropped", 6, 2, 4, 4.0, {})]
+
+
+class _RecordingExpert:
+    """An expert (n, h) -> (n, h) that notes how many rows each call gets; its weights are fp32 leaves."""
+
+    def __init__(self, expert: int, seed: int):
+        self.w_in, self.w_out = (w.requires_grad_() for w in _expert_weights(expert, seed))
+        self.calls: list[int] = []
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        self.calls.append(rows.shape[0] if rows.dim() > 1 else 1)
+        return _expert(rows, self.w_in, self.w_out)
+
+
+def _capacity_inputs(case: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (T, h), expert_ids (T, k) (the top-k of random scores, shifted by the case's bias), gates (T, k)."""
+    _, tokens, top_k, experts, _, bias = case
+    x = rank_tensor(700, (tokens, HIDDEN), FP32, seed)
+    scores = rank_tensor(710, (tokens, experts), FP32, seed)
+    for expert, shift in bias.items():
+        scores[:, expert] += shift
+    top, ids = scores.softmax(-1).topk(top_k, dim=-1)
+    return x, ids, top / top.sum(-1, keepdim=True)
+
+
+def _capacity_of(tokens: int, top_k: int, experts: int, factor: float) -> int:
+    """C = ceil(factor * T k / E): the slots one expert may take."""
+    return math.ceil(factor * tokens * top_k / experts)
+
+
+def _kept_by_rule(ids: torch.Tensor, experts: int, capacity: int, priority: str = "choice") -> torch.Tensor:
+    """(T, k) bools: each expert keeps its first `capacity` slots in the priority order, by a plain loop.
+
+    "choice" (the task's, GShard's): every token's first choice, in token order, then every second
+    choice, ...; "token": slot t k + j order; "last": the task's order, but the last C kept."""
+    tokens, top_k = ids.shape
+    slots = [(t, j) for j in range(top_k) for t in range(tokens)]
+    if priority == "token":
+        slots = [(t, j) for t in range(tokens) for j in range(top_k)]
+    elif priority == "last":
+        slots = slots[::-1]
+    used, kept = [0] * experts, torch.zeros(tokens, top_k, dtype=torch.bool)
+    for t, j in slots:
+        e = int(ids[t, j])
+        if used[e] < capacity:
+            kept[t, j], used[e] = True, used[e] + 1
+    return kept
+
+
+def _capacity_layer(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, weights: list, kept: torch.Tensor,
+                    residual: bool = True, renormalise: bool = False) -> torch.Tensor:
+    """out[t] = x[t] + sum over kept slots j of gates[t, j] expert_{ids[t, j]}(x[t]), token by token."""
+    if renormalise:
+        gates = gates * kept / (gates * kept).sum(-1, keepdim=True).clamp(min=1e-30)
+    rows = []
+    for t in range(x.shape[0]):
+        y = x[t] if residual else torch.zeros_like(x[t])
+        for j in range(ids.shape[1]):
+            if kept[t, j]:
+                y = y + gates[t, j] * _expert(x[t], *weights[int(ids[t, j])])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+def _capacity_expected(case: tuple, seed: int) -> dict:
+    """The task's rule in float64, with autograd: kept, out and the gradients; plus the classic mistakes."""
+    _, tokens, top_k, experts, factor, _ = case
+    x, ids, gates = _capacity_inputs(case, seed)
+    capacity = _capacity_of(tokens, top_k, experts, factor)
+    kept = _kept_by_rule(ids, experts, capacity)
+    x64, g64 = x.double().requires_grad_(), gates.double().requires_grad_()
+    w64 = [tuple(w.double().requires_grad_() for w in _expert_weights(e, seed)) for e in range(experts)]
+    out = _capacity_layer(x64, ids, g64, w64, kept)
+    (out * _upstream(0, tuple(out.shape), seed, which=7).double()).sum().backward()
+    want = {"capacity": capacity, "kept": kept, "out": out.detach(), "x_grad": x64.grad,
+            "gates_grad": _grad_or_zeros(g64), "w_grads": [(_grad_or_zeros(a), _grad_or_zeros(b)) for a, b in w64],
+            "per_expert": torch.bincount(ids[kept], minlength=experts).tolist()}
+    with torch.no_grad():
+        x64, g64 = x.double(), gates.double()
+        w64 = [tuple(w.double() for w in _expert_weights(e, seed)) for e in range(experts)]
+        want["mistaken kept"] = {
+            "floor": _kept_by_rule(ids, experts, math.floor(factor * tokens * top_k / experts)),
+            "no k": _kept_by_rule(ids, experts, math.ceil(factor * tokens / experts)),
+            "token": _kept_by_rule(ids, experts, capacity, "token"),
+            "last": _kept_by_rule(ids, experts, capacity, "last"),
+            "all": torch.ones_like(kept)}
+        want["mistaken out"] = {
+            "no residual": _capacity_layer(x64, ids, g64, w64, kept, residual=False),
+            "renormalised": _capacity_layer(x64, ids, g64, w64, kept, renormalise=True),
+            "dropped kept": _capacity_layer(x64, ids, g64, w64, torch.ones_like(kept)),
+            "no gates": _capacity_layer(x64, ids, torch.ones_like(g64), w64, kept)}
+    return want
+
+
+_KEPT_HINTS = {
+    "floor": "C is rounded down; C = ceil(capacity_factor x T k / E) rounds up (math.ceil)",
+    "no k": "C counts tokens, not slots: C = ceil(capacity_factor x T k / E), with k the slots of each token",
+    "token": ("the slots are kept in token order (token 0's choices, then token 1's, ...); GShard's priority is "
+              "every token's first choice before any second choice, then tokens in order within a choice"),
+    "last": "an expert keeps its last C slots; it keeps the first C in the priority order and drops the rest",
+    "all": "nothing is dropped: an expert keeps at most C slots"}
+_OUT_HINTS = {
+    "no residual": "the residual is missing: out[t] = x[t] + the kept slots' gate-weighted outputs",
+    "renormalised": "the gates are renormalised over the kept slots; use them as given",
+    "dropped kept": "dropped slots still reach their expert's output: add only the kept slots",
+    "no gates": "the gates are not applied: weight each kept slot's output by gates[t, j]"}
+
+
+def check_capacity_moe(capacity_moe: Callable) -> None:
+    """Stretch. out, kept = capacity_moe(x, expert_ids, gates, experts, capacity_factor): each expert keeps at
+    most C = ceil(capacity_factor T k / E) slots, first choices before second choices, then in token order;
+    out[t] = x[t] + sum over kept slots of gates[t, j] expert(x[t]); each expert called at most once, on its
+    kept rows; gradients to x, the gates and the experts' weights."""
+    _not_the_course_answer("check_capacity_moe", capacity_moe)
+    note = ("one process; x (T, h), expert_ids (T, k), gates (T, k), experts: E functions (n, h) -> (n, h) that note "
+            "their calls. Compared with a loop over the slots in priority order and over the tokens (float64); "
+            "gradients of sum(out * u) for a fixed u. per expert: kept slots of experts 0, 1, ...")
+    with Report("capacity_moe", note=note) as report:
+        for seed, case in enumerate(CAPACITY_CASES):
+            name, tokens, top_k, experts, factor, _ = case
+            want = _capacity_expected(case, seed)
+            got_per_expert, detail = "-", ""
+            x, ids, gates = _capacity_inputs(case, seed)
+            x, gates = x.clone().requires_grad_(), gates.clone().requires_grad_()
+            recording = [_RecordingExpert(e, seed) for e in range(experts)]
+            got = capacity_moe(x, ids.clone(), gates, recording, factor)
+            detail, kept = _capacity_returned(got, tokens, top_k)
+            if not detail:
+                got_per_expert = torch.bincount(ids[kept], minlength=experts).tolist()
+                detail = (_kept_problem(kept, want) or _calls_problem(recording, want)
+                          or _capacity_out_problem(got[0], want))
+            if not detail:
+                detail = _capacity_grad_problem(got[0], x, gates, recording, want, seed)
+            report.add(not detail, detail, case=name, T=tokens, k=top_k, E=experts, factor=str(factor),
+                       C=want["capacity"], **{"per expert (want)": want["per_expert"],
+                                              "per expert (got)": got_per_expert})
+
+
+def _capacity_returned(got, tokens: int, top_k: int) -> tuple[str, torch.Tensor | None]:
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        return f"capacity_moe returned {type(got).__name__}; return the pair (out, kept)", None
+    out, kept = got
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (tokens, HIDDEN):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"out is {shape}, expected a tensor (T, h) = {(tokens, HIDDEN)}", None
+    if not isinstance(kept, torch.Tensor) or tuple(kept.shape) != (tokens, top_k) or kept.dtype != torch.bool:
+        shape = (f"{kept.dtype} of shape {tuple(kept.shape)}" if isinstance(kept, torch.Tensor)
+                 else type(kept).__name__)
+        return f"kept is {shape}, expected torch.bool of shape (T, k) = {(tokens, top_k)}", None
+    return "", kept
+
+
+def _kept_problem(kept: torch.Tensor, want: dict) -> str:
+    if torch.equal(kept, want["kept"]):
+        return ""
+    if torch.equal(kept, ~want["kept"]):
+        return "kept is True for the dropped slots and False for the kept ones: True means kept"
+    hint = next((text for key, text in _KEPT_HINTS.items() if torch.equal(kept, want["mistaken kept"][key])),
+                "each expert keeps its first C slots in the priority order: (choice 0, token 0), (0, 1), ..., "
+                "(0, T-1), (1, 0), ...")
+    wrong = (kept != want["kept"]).nonzero().tolist()
+    return f"kept differs at (token, choice) {[tuple(w) for w in wrong[:4]]}: {hint} (C = {want['capacity']})"
+
+
+def _calls_problem(recording: list, want: dict) -> str:
+    for e, (expert, rows) in enumerate(zip(recording, want["per_expert"])):
+        if len(expert.calls) > 1:
+            return (f"expert {e} was called {len(expert.calls)} times (rows {expert.calls}); call each expert once, "
+                    f"on one block of its kept rows: that block is its buffer of at most C = {want['capacity']} rows")
+        if expert.calls and expert.calls[0] not in (rows, want["capacity"]):
+            return (f"expert {e} was called on {expert.calls[0]} rows; it keeps {rows} slots: call it on exactly "
+                    f"those rows (or on a buffer of C = {want['capacity']} rows)")
+        if rows and not expert.calls:
+            return f"expert {e} keeps {rows} slots but was never called"
+    return ""
+
+
+def _capacity_out_problem(out: torch.Tensor, want: dict) -> str:
+    expected = want["out"].to(out.dtype)
+    if close_enough(out.detach(), expected, FP32, n=ROUNDINGS):
+        return ""
+    hint = next((text for key, text in _OUT_HINTS.items()
+                 if close_enough(out.detach(), want["mistaken out"][key].to(out.dtype), FP32, n=ROUNDINGS)), "")
+    return f"out is wrong{': ' + hint if hint else ''}. {mismatch(out.detach(), expected)}"
+
+
+def _capacity_grad_problem(out: torch.Tensor, x: torch.Tensor, gates: torch.Tensor, recording: list, want: dict,
+                           seed: int) -> str:
+    if not out.requires_grad:
+        return "out does not require grad: keep x, the gates and the experts' outputs in the graph (no .detach())"
+    (out * _upstream(0, tuple(out.shape), seed, which=7)).sum().backward()
+    if gates.grad is None:
+        return "the gates got no gradient: do not detach them (the router learns through them)"
+    for what, got, expected in (("x.grad", x.grad, want["x_grad"]), ("gates.grad", gates.grad, want["gates_grad"])):
+        if got is None or not close_enough(got, expected.float(), FP32, n=ROUNDINGS):
+            shown = "None" if got is None else mismatch(got, expected.float())
+            extra = (": a dropped slot gets no gradient; the residual gives every token's x a gradient of its own"
+                     if what == "x.grad" else
+                     ": d out[t] / d gates[t, j] is expert(x[t]) for a kept slot, 0 for a dropped one")
+            return f"{what} is wrong{extra}. {shown}"
+    for e, (expert, (want_in, want_out)) in enumerate(zip(recording, want["w_grads"])):
+        for name, w, expected in (("w_in", expert.w_in, want_in), ("w_out", expert.w_out, want_out)):
+            got = torch.zeros_like(w) if w.grad is None else w.grad
+            if not close_enough(got, expected.float(), FP32, n=ROUNDINGS):
+                return (f"expert {e}'s {name}.grad is wrong: it sums over the expert's kept rows only. "
+                        f"{mismatch(got, expected.float())}")
+    return ""

@@ -5,14 +5,16 @@ nbval on its own), so a check that passes everything, or nothing, is caught. Not
 picotron.parallel.expert_parallel, except to see that the checks refuse it.
 """
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from torch.autograd import Function
 
-from picotron_course.checks_ep import (check_all_to_all, check_combine, check_dispatch, check_expert_parallel_moe,
-                                       check_permute, dense_moe, recorded_exchanges)
+from picotron_course.checks_ep import (check_all_to_all, check_capacity_moe, check_combine, check_dispatch,
+                                       check_expert_parallel_moe, check_permute, dense_moe, recorded_exchanges)
 from picotron.launch import run
 
 
@@ -423,3 +425,188 @@ def test_recorder_counts_input_bytes_and_guards_the_splits():
     assert calls == [("all_to_all", 24, (1, 2), (1, 1)), ("all_reduce", 20, None, None)]
     assert calls_1[0] == ("all_to_all", 8, (1, 0), (2, 0))
     assert problem == problem_1 and "output_split_sizes" in problem
+
+
+# ---- the stretch: capacity_moe, in one process ---------------------------------------------------------
+# Written here from the task text (section 8 of the assignment), not copied from the check or the solution.
+def _kept(expert_ids, num_experts, capacity, order="choice"):
+    """(T, k) bools: each expert keeps its first `capacity` slots, walking the slots in `order`."""
+    tokens, top_k = expert_ids.shape
+    walk = {"choice": [(t, j) for j in range(top_k) for t in range(tokens)],        # the task's priority
+            "token": [(t, j) for t in range(tokens) for j in range(top_k)],
+            "last": [(t, j) for j in range(top_k) for t in range(tokens)][::-1]}[order]
+    used, kept = [0] * num_experts, torch.zeros(tokens, top_k, dtype=torch.bool)
+    for t, j in walk:
+        e = int(expert_ids[t, j])
+        if used[e] < capacity:
+            kept[t, j], used[e] = True, used[e] + 1
+    return kept
+
+
+def _layer(x, expert_ids, gates, experts, kept, residual=True):
+    """Each expert once, on its kept rows; the gate-weighted outputs added into their tokens."""
+    out = x if residual else torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, choice = (kept & (expert_ids == e)).nonzero(as_tuple=True)
+        if len(token):
+            out = out.index_add(0, token, gates[token, choice].unsqueeze(-1) * expert(x[token]))
+    return out
+
+
+def _capacity(factor, tokens, top_k, experts):
+    return math.ceil(factor * tokens * top_k / experts)
+
+
+def _kept_by_task(expert_ids, experts, capacity_factor):
+    tokens, top_k = expert_ids.shape
+    return _kept(expert_ids, len(experts), _capacity(capacity_factor, tokens, top_k, len(experts)))
+
+
+def ref_capacity_moe(x, expert_ids, gates, experts, capacity_factor):
+    kept = _kept_by_task(expert_ids, experts, capacity_factor)
+    return _layer(x, expert_ids, gates, experts, kept), kept
+
+
+def ref_capacity_moe_vectorised(x, expert_ids, gates, experts, capacity_factor):
+    """The queue positions by a sort instead of a loop; the experts' rows in slot-priority order."""
+    tokens, top_k = expert_ids.shape
+    capacity = _capacity(capacity_factor, tokens, top_k, len(experts))
+    flat = expert_ids.t().reshape(-1)                                    # priority order: choice-major
+    order = flat.argsort(stable=True)
+    load = torch.bincount(flat, minlength=len(experts))
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel()) - (load.cumsum(0) - load)[flat[order]]
+    kept = (place < capacity).view(top_k, tokens).t()
+    return _layer(x, expert_ids, gates, experts, kept), kept
+
+
+def ref_capacity_moe_padded(x, expert_ids, gates, experts, capacity_factor):
+    """Each expert on a buffer of exactly C rows, zeros where no slot was kept (GShard's fixed shapes)."""
+    tokens, top_k = expert_ids.shape
+    capacity = _capacity(capacity_factor, tokens, top_k, len(experts))
+    kept = _kept(expert_ids, len(experts), capacity)
+    out = x
+    for e, expert in enumerate(experts):
+        token, choice = (kept & (expert_ids == e)).nonzero(as_tuple=True)
+        buffer = x.new_zeros(capacity, x.shape[1]).index_copy(0, torch.arange(len(token)), x[token])
+        out = out.index_add(0, token, gates[token, choice].unsqueeze(-1) * expert(buffer)[:len(token)])
+    return out, kept
+
+
+def capacity_floor(x, expert_ids, gates, experts, capacity_factor):
+    tokens, top_k = expert_ids.shape
+    kept = _kept(expert_ids, len(experts), math.floor(capacity_factor * tokens * top_k / len(experts)))
+    return _layer(x, expert_ids, gates, experts, kept), kept
+
+
+def capacity_counts_tokens(x, expert_ids, gates, experts, capacity_factor):
+    tokens, top_k = expert_ids.shape
+    kept = _kept(expert_ids, len(experts), _capacity(capacity_factor, tokens, 1, len(experts)))   # k forgotten
+    return _layer(x, expert_ids, gates, experts, kept), kept
+
+
+def capacity_token_priority(x, expert_ids, gates, experts, capacity_factor):
+    tokens, top_k = expert_ids.shape
+    kept = _kept(expert_ids, len(experts), _capacity(capacity_factor, tokens, top_k, len(experts)), "token")
+    return _layer(x, expert_ids, gates, experts, kept), kept
+
+
+def capacity_keeps_last(x, expert_ids, gates, experts, capacity_factor):
+    tokens, top_k = expert_ids.shape
+    kept = _kept(expert_ids, len(experts), _capacity(capacity_factor, tokens, top_k, len(experts)), "last")
+    return _layer(x, expert_ids, gates, experts, kept), kept
+
+
+def capacity_no_residual(x, expert_ids, gates, experts, capacity_factor):
+    kept = _kept_by_task(expert_ids, experts, capacity_factor)
+    return _layer(x, expert_ids, gates, experts, kept, residual=False), kept
+
+
+def capacity_renormalised(x, expert_ids, gates, experts, capacity_factor):
+    kept = _kept_by_task(expert_ids, experts, capacity_factor)
+    shares = gates * kept
+    shares = shares / shares.sum(-1, keepdim=True).clamp(min=1e-30)      # the kept gates made to sum to 1
+    return _layer(x, expert_ids, shares, experts, kept), kept
+
+
+def capacity_drops_nothing_in_out(x, expert_ids, gates, experts, capacity_factor):
+    kept = _kept_by_task(expert_ids, experts, capacity_factor)
+    return _layer(x, expert_ids, gates, experts, torch.ones_like(kept)), kept    # kept reported, not applied
+
+
+def capacity_token_by_token(x, expert_ids, gates, experts, capacity_factor):
+    kept = _kept_by_task(expert_ids, experts, capacity_factor)
+    rows = []
+    for t in range(x.shape[0]):                                          # one expert call per kept slot
+        y = x[t]
+        for j in range(expert_ids.shape[1]):
+            if kept[t, j]:
+                y = y + gates[t, j] * experts[int(expert_ids[t, j])](x[t:t + 1])[0]
+        rows.append(y)
+    return torch.stack(rows), kept
+
+
+def capacity_detached_gates(x, expert_ids, gates, experts, capacity_factor):
+    return ref_capacity_moe(x, expert_ids, gates.detach(), experts, capacity_factor)
+
+
+def capacity_returns_dropped(x, expert_ids, gates, experts, capacity_factor):
+    out, kept = ref_capacity_moe(x, expert_ids, gates, experts, capacity_factor)
+    return out, ~kept
+
+
+def capacity_kept_as_ints(x, expert_ids, gates, experts, capacity_factor):
+    out, kept = ref_capacity_moe(x, expert_ids, gates, experts, capacity_factor)
+    return out, kept.long()
+
+
+@pytest.mark.parametrize("answer", [ref_capacity_moe, ref_capacity_moe_vectorised, ref_capacity_moe_padded],
+                         ids=["loop", "vectorised", "padded-buffers"])
+def test_capacity_correct_answer_passes(answer, capsys):
+    check_capacity_moe(answer)
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "7/7 cases passed" in out
+
+
+CAPACITY_WRONG = [
+    (capacity_floor, "rounds up"),
+    (capacity_counts_tokens, "C counts tokens, not slots"),
+    (capacity_token_priority, "kept in token order"),
+    (capacity_keeps_last, "keeps its last C slots"),
+    (capacity_no_residual, "the residual is missing"),
+    (capacity_renormalised, "renormalised over the kept slots"),
+    (capacity_drops_nothing_in_out, "call it on exactly those rows"),
+    (capacity_token_by_token, "call each expert once"),
+    (capacity_detached_gates, "the gates got no gradient"),
+    (capacity_returns_dropped, "True means kept"),
+    (capacity_kept_as_ints, "expected torch.bool"),
+]
+
+
+@pytest.mark.parametrize("answer, says", CAPACITY_WRONG, ids=[f.__name__ for f, _ in CAPACITY_WRONG])
+def test_capacity_wrong_answer_fails(answer, says, capsys):
+    with pytest.raises(AssertionError, match=says):
+        check_capacity_moe(answer)
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_capacity_refuses_the_course_code():
+    from picotron.model import route
+    with pytest.raises(AssertionError, match="the course's own code"):
+        check_capacity_moe(route)
+
+
+# ---- the predict-then-run demo --------------------------------------------------------------------------
+def test_unpermute_demo_layer_tells_right_from_wrong():
+    """The one-layer part of the demo (the training part runs in the solution notebook)."""
+    from picotron_course import checks_ep as ep
+
+    def colleague(outputs, order, gates):
+        tokens, k = gates.shape
+        return (outputs.view(tokens, k, -1) * gates.unsqueeze(-1)).sum(1)
+
+    right, wrong = ep._demo_layer(ep._unpermute), ep._demo_layer(colleague)
+    assert right["right tokens"] == list(range(ep.DEMO_TOKENS)) and right["token 0 reads"] == [0]
+    assert right["error"] < 1e-6
+    assert len(wrong["right tokens"]) < ep.DEMO_TOKENS // 2 and wrong["token 0 reads"] != [0]
+    assert wrong["error"] > 0.1
