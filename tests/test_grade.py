@@ -263,7 +263,7 @@ def test_fingerprints_of_the_course_checks_are_the_same_in_another_process():
 
 # ---- a real exercise, through the command line ---------------------------------------------------
 def test_grade_a_real_exercise(tmp_path):
-    """00_collectives with chunk_to_send and all_gather_phase solved (2 of 4) and the last check rebound."""
+    """00_collectives with chunk_to_send and all_gather_phase solved (2 of 5: the stretch is not done either) and the last check rebound."""
     solution = nbformat.read(ROOT / "solutions" / "00_collectives.ipynb", as_version=4)
     learner = nbformat.read(ROOT / "exercises" / "00_collectives.ipynb", as_version=4)
     for i, cell in enumerate(solution.cells):
@@ -281,5 +281,6 @@ def test_grade_a_real_exercise(tmp_path):
     assert "passed" in rows["check_chunk_to_send"] and "passed" in rows["check_all_gather_phase"]
     assert "not done (NotImplementedError)" in rows["check_reduce_scatter_phase"]
     assert "rebound" in rows["check_ring_all_reduce"]
-    assert out.strip().endswith("score: 2/4") and "Traceback" not in out
+    assert "not done (NotImplementedError)" in rows["check_recursive_doubling_all_reduce"]
+    assert out.strip().endswith("score: 2/5") and "Traceback" not in out
     assert nbformat.read(path, as_version=4).cells[4].outputs == []  # the learner's file is untouched
