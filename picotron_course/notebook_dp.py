@@ -1,0 +1,411 @@
+"""The harness chapter 02 runs, times and draws: data parallelism's proofs, measurements and figures.
+
+Chapter 02 (data parallelism) keeps on its reading path the idea, the technique's key code (NaiveDP,
+the hooks' order, OverlappedDP, a gradient view, Bucket and BucketedDP, no_sync), each proof's
+asserts and its one-line verdict. What only runs, records, times or draws lives here:
+
+    parts(dp, model)                              (module to call, no_sync, finish) of any gradient sync
+    first_step(make, new_model, loader, n)        one step on a rank, checked against one process on rank 0
+    lockstep(variants, new_model, loader, ...)    every variant trained side by side with one process
+    step_times(variants, new_model, loader)       step times and waits, round-robin, on a rank
+    times_of(per_rank, name, which)               one variant's times, rank by rank
+    timeline(new_model, loader, bucket_mb, ...)   one step of picotron's DataParallel, with the buckets' clocks
+    bytes_per_step(variants, new_model, loader)   all-reduce calls and bytes of one step, and a ring's sends
+    idea_figure, proof_figure, step_time_figure, timeline_figure, sweep_figure, exposed_figure,
+    limits_figure                                 the chapter's figures, one function each
+
+A variant is `make(model) -> gradient sync`: None (no communication), torch's DistributedDataParallel,
+or an object with finish_gradient_sync() and, optionally, no_sync() (the chapter's classes, picotron's).
+The functions that run on ranks take the chapter's own `new_model` and `loader` as arguments (they
+travel to the ranks by value). matplotlib is imported inside the figure functions, so the ranks never
+load it. Generic helpers (caption, sync, slowest_median) come from picotron_course.notebook.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from picotron import comm, tolerance
+from picotron.launch import device
+from picotron.model import loss_fn
+from picotron.parallel.data_parallel import DataParallel
+from picotron_course.notebook import caption, sync
+
+__all__ = ["parts", "first_step", "lockstep", "step_times", "times_of", "timeline", "bytes_per_step",
+           "idea_figure", "proof_figure", "step_time_figure", "timeline_figure", "sweep_figure", "exposed_figure",
+           "limits_figure"]
+
+
+# ---- running the variants on ranks --------------------------------------------------------------
+
+def parts(dp, model):
+    """(module to call, no_sync context, finish) of the gradient sync `dp` of `model`."""
+    if dp is None:
+        return model, nullcontext, lambda: None
+    if isinstance(dp, DistributedDataParallel):  # it all-reduces inside backward
+        return dp, dp.no_sync, lambda: None
+    return model, getattr(dp, "no_sync", nullcontext), dp.finish_gradient_sync
+
+
+def first_step(make, new_model, loader, roundings: int) -> dict:
+    """On a rank: one forward and backward of its shard with the sync `make(model)`, then its finish.
+
+    Returns "matches" (on rank 0: every gradient equals a plain model's on the whole global batch
+    within `roundings` float32 roundings, picotron.tolerance; True on the others), "sync_s" (seconds
+    in the finish after backward), "launched" (all-reduces started during backward) and "buckets".
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = new_model()
+    dp = make(model)
+    module, _, finish = parts(dp, model)
+    batch = loader(rank, world).get_batch(step=0).to(device())         # this rank's shard of the batch
+    with comm.counting() as counter:
+        loss_fn(module(batch.input_ids), batch.targets).backward()
+        launched = counter.calls["all_reduce"]
+        start = time.perf_counter()
+        finish()
+        seconds = time.perf_counter() - start
+    matches = True
+    if rank == 0:
+        reference = new_model()
+        whole = loader(0, 1).get_batch(step=0).to(device())             # all the sequences of the step
+        loss_fn(reference(whole.input_ids), whole.targets).backward()
+        matches = all(tolerance.close_enough(p.grad, q.grad, n=roundings)
+                      for p, q in zip(model.parameters(), reference.parameters()))
+    return {"matches": matches, "sync_s": seconds, "launched": launched, "buckets": len(getattr(dp, "buckets", []))}
+
+
+def _replica(make, new_model, data, accum: int, lr: float) -> dict:
+    model = new_model()
+    module, no_sync, finish = parts(make(model) if make else None, model)
+    return {"model": model, "module": module, "no_sync": no_sync, "finish": finish, "data": data, "accum": accum,
+            "optimizer": torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)}
+
+
+def _backward(replica: dict, step: int, world: int) -> float:
+    """Forward and backward of every micro-batch of a step, then the sync; the loss of the global batch."""
+    loss_sum, accum = torch.zeros((), device=device()), replica["accum"]
+    for micro in range(accum):
+        batch = replica["data"].get_batch(step, micro).to(device())
+        with replica["no_sync"]() if micro < accum - 1 else nullcontext():
+            loss = loss_fn(replica["module"](batch.input_ids), batch.targets) / accum
+            loss.backward()
+        loss_sum += loss.detach()
+    replica["finish"]()                                               # now .grad holds the mean over ranks
+    if world > 1:
+        dist.all_reduce(loss_sum)                                     # the global loss, for the comparison only
+        loss_sum /= world
+    return loss_sum.item()
+
+
+def _flat(model, what: str) -> torch.Tensor:
+    return torch.cat([(p.grad if what == "grads" else p.detach()).flatten() for p in model.parameters()])
+
+
+def lockstep(variants: dict, new_model, loader, steps: int, accum: dict | None = None, pairs=(),
+             lr: float = 3e-3) -> dict:
+    """Train every variant side by side on this rank for `steps` AdamW steps; rank 0 also trains plain
+    models on the whole global batch (the one-process references, one per micro-batch count).
+
+    variants: {name: make}; accum: {name: micro-batches per step} (1 if absent). Gradients are zeroed
+    in place (`zero_grad(set_to_none=False)`), which bucket views need. Returns, on rank 0, per variant:
+    every step's global "loss", "loss_error" and largest "grad_error" against the reference, whether
+    all gradients are within rtol = atol = tolerance.TRAINING_GRAD_TOL ("grads_close"), and the final
+    "weight_error"; on every rank, "replica_diff", the largest weight difference from rank 0's replica.
+    Per pair (a, b) of `pairs`, every step's largest gradient difference between variants a and b;
+    "reference loss".
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accum = accum or {}
+    replicas = {name: _replica(make, new_model, loader(rank, world), accum.get(name, 1), lr)
+                for name, make in variants.items()}
+    references = ({k: _replica(None, new_model, loader(0, 1), k, lr) for k in {1, *accum.values()}}
+                  if rank == 0 else {})
+    out = {name: {"loss": [], "loss_error": [], "grad_error": [], "grads_close": []} for name in variants}
+    out["reference loss"] = []
+    out.update({pair: [] for pair in pairs})
+    grad_tol = tolerance.TRAINING_GRAD_TOL
+    for step in range(steps):
+        losses = {name: _backward(replica, step, world) for name, replica in replicas.items()}
+        if rank == 0:
+            ref_losses = {k: _backward(ref, step, 1) for k, ref in references.items()}
+            out["reference loss"].append(ref_losses[1])
+            for name, replica in replicas.items():
+                mine, ref = _flat(replica["model"], "grads"), _flat(references[replica["accum"]]["model"], "grads")
+                out[name]["loss"].append(losses[name])
+                out[name]["loss_error"].append(abs(losses[name] - ref_losses[replica["accum"]]))
+                out[name]["grad_error"].append((mine - ref).abs().max().item())
+                out[name]["grads_close"].append(torch.allclose(mine, ref, rtol=grad_tol, atol=grad_tol))
+            for a, b in pairs:
+                diff = _flat(replicas[a]["model"], "grads") - _flat(replicas[b]["model"], "grads")
+                out[(a, b)].append(diff.abs().max().item())
+        for replica in [*replicas.values(), *references.values()]:
+            replica["optimizer"].step()
+            replica["optimizer"].zero_grad(set_to_none=False)
+    for name, replica in replicas.items():
+        weights = _flat(replica["model"], "weights")
+        rank0 = weights.clone()
+        dist.broadcast(rank0, src=0)                                  # every replica must hold rank 0's weights
+        out[name]["replica_diff"] = (weights - rank0).abs().max().item()
+        if rank == 0:
+            ref = _flat(references[replica["accum"]]["model"], "weights")
+            out[name]["weight_error"] = (weights - ref).abs().max().item()
+    return out
+
+
+def step_times(variants: dict, new_model, loader, reps: int = 5, steps: int = 2) -> dict:
+    """{name: [(seconds per step, seconds per step waiting in the finish) per repetition]} on this rank.
+
+    Every variant gets its own model and AdamW; they are timed round-robin, so that the machine's
+    changing load hits them alike: a repetition is `steps` steps behind a barrier, after 2 warm-up steps.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = loader(rank, world).get_batch(0).to(device())
+    runners = {}
+    for name, make in variants.items():
+        model = new_model()
+        module, _, finish = parts(make(model) if make else None, model)
+        runners[name] = (module, finish, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(name) -> float:
+        module, finish, optimizer = runners[name]
+        loss_fn(module(batch.input_ids), batch.targets).backward()
+        start = time.perf_counter()
+        finish()
+        waited = time.perf_counter() - start
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return waited
+
+    for name in runners:                                              # warm-up: 2 steps each
+        step(name)
+        step(name)
+    times = {name: [] for name in runners}
+    for _ in range(reps):
+        for name in runners:
+            sync(); dist.barrier()
+            start, waited = time.perf_counter(), sum(step(name) for _ in range(steps))
+            sync()
+            times[name].append(((time.perf_counter() - start) / steps, waited / steps))
+    return times
+
+
+def times_of(per_rank: list, name, which: int = 0) -> list[list[float]]:
+    """[r][i]: rank r's i-th repetition of `name` from step_times: step time (which=0) or waiting (1)."""
+    return [[rep[which] for rep in rank[name]] for rank in per_rank]
+
+
+def timeline(new_model, loader, bucket_mb: float, overlap: bool) -> tuple[list, list]:
+    """The last of 3 steps of picotron's DataParallel on this rank: the clock when the step started and
+    when forward, backward, the wait and the optimizer ended; each bucket's (launched, done) times."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = new_model()
+    dp = DataParallel(model, dist.group.WORLD, bucket_mb=bucket_mb, overlap=overlap)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = loader(rank, world).get_batch(0).to(device())
+    for _ in range(3):
+        sync(); dist.barrier()
+        marks = [time.perf_counter()]
+        loss = loss_fn(model(batch.input_ids), batch.targets)
+        sync(); marks.append(time.perf_counter())                     # forward done
+        loss.backward()
+        sync(); marks.append(time.perf_counter())                     # backward done
+        dp.finish_gradient_sync()
+        marks.append(time.perf_counter())                             # every all-reduce done
+        optimizer.step(); optimizer.zero_grad()
+        sync(); marks.append(time.perf_counter())                     # optimizer done
+    return marks, [(b.launched_at, b.done_at or marks[3]) for b in dp.buckets]
+
+
+def bytes_per_step(variants: dict, new_model, loader) -> dict:
+    """{name: (all-reduce calls, their payload bytes, bytes a ring all-reduce of the same gradients sends)}
+    for one step of each variant on this rank, counted by picotron.comm."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = loader(rank, world).get_batch(0).to(device())
+    out = {}
+    for name, make in variants.items():
+        model = new_model()
+        module, _, finish = parts(make(model), model)
+        with comm.counting() as counter:                              # the step only, not a set-up broadcast
+            loss_fn(module(batch.input_ids), batch.targets).backward()
+            finish()
+        with comm.counting() as wire:                                 # the same bytes through a ring, sends counted
+            comm.ring_all_reduce(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        out[name] = (counter.calls["all_reduce"], counter.bytes["all_reduce"], wire.bytes["send"])
+    return out
+
+
+# ---- the figures ---------------------------------------------------------------------------------
+
+def idea_figure(world: int, sequences_per_rank: int) -> None:
+    """Data parallelism in one picture: shards in, a full model per rank, one all-reduce, the same step."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    for r in range(world):
+        y, colour = world - 1 - r, plt.cm.tab10(r)
+        ax.add_patch(plt.Rectangle((0, y - 0.3), 1.4, 0.6, color=colour, alpha=0.35))
+        ax.text(0.7, y, f"batch shard {r}\n{sequences_per_rank} sequences", ha="center", va="center", fontsize=8)
+        ax.add_patch(plt.Rectangle((2.0, y - 0.3), 1.8, 0.6, color="0.85"))
+        ax.text(2.9, y, "full model copy\nforward + backward", ha="center", va="center", fontsize=8)
+        ax.annotate("", (2.0, y), (1.4, y), arrowprops=dict(arrowstyle="->"))
+        ax.text(4.7, y, rf"$g_{r}$", ha="center", va="center", fontsize=12, color=colour)
+        ax.annotate("", (4.4, y), (3.8, y), arrowprops=dict(arrowstyle="->"))
+        ax.annotate("", (6.0, (world - 1) / 2), (5.0, y), arrowprops=dict(arrowstyle="->", color="0.5"))
+        ax.annotate("", (8.4, y), (7.6, (world - 1) / 2), arrowprops=dict(arrowstyle="->", color="0.5"))
+        ax.text(9.2, y, "same step\nsame weights", ha="center", va="center", fontsize=8)
+    middle = (world - 1) / 2
+    ax.add_patch(plt.Rectangle((6.0, middle - 0.6), 1.6, 1.2, color="C3", alpha=0.2))
+    ax.text(6.8, middle, "all-reduce\n" + r"$\frac{1}{N}\sum_r g_r$", ha="center", va="center", fontsize=10)
+    ax.set(xlim=(-0.2, 10), ylim=(-0.6, world - 0.4), xticks=[], yticks=range(world),
+           yticklabels=[f"rank {r}" for r in reversed(range(world))], xlabel="one training step, left to right",
+           title="Data parallelism: split the batch, average the gradients")
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    caption(fig, "Each rank computes the gradient g_r of its own shard; one all-reduce averages them into the "
+            "gradient of the whole batch, so every replica takes the same step.")
+    plt.show()
+
+
+def proof_figure(rank0: dict, names: list, accum: dict, pairs, world: int,
+                 grad_tol: float = tolerance.TRAINING_GRAD_TOL) -> None:
+    """Left: every variant's loss on the one-process curve; right: the largest gradient difference per step."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, (ax_loss, ax_err) = plt.subplots(1, 2, figsize=(13, 3.8))
+    ax_loss.plot(rank0["reference loss"], "k-", lw=4, alpha=0.25, label="one process")
+    for i, name in enumerate(names):
+        if accum.get(name, 1) == 1:                                   # accumulation trains on a larger batch
+            ax_loss.plot(rank0[name]["loss"], "o", ms=3, color=f"C{i}", label=name)
+        ax_err.semilogy(np.maximum(rank0[name]["grad_error"], 1e-10), "o-", ms=3, color=f"C{i}", label=name)
+    for style, (a, b) in zip(("k--", "k:"), pairs):
+        zero = " (0: drawn at 1e-10)" if max(rank0[(a, b)]) == 0 else ""
+        ax_err.semilogy(np.maximum(rank0[(a, b)], 1e-10), style, lw=1, label=f"{a} vs {b}{zero}")
+    ax_err.axhline(grad_tol, color="C3", ls=":", lw=1.5, label=f"tolerance {grad_tol:g}")
+    ax_loss.set(xlabel="step", ylabel="loss (nats per token)", title=f"Loss: {world} ranks vs one process")
+    ax_err.set(xlabel="step", ylabel="max |gradient difference|", title="Gradients vs one process, every step")
+    ax_loss.legend(fontsize=7)
+    ax_err.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))     # beside the curves, not on them
+    caption(fig, "Left: every variant's loss lies on the one-process curve. Right: the largest gradient difference stays "
+            "at float32 round-off, orders of magnitude under the tolerance; our buckets equal picotron's exactly.")
+    plt.show()
+
+
+def step_time_figure(step_ms: dict, spread: dict, title: str) -> None:
+    """Bars of the median step time per variant, dots for each repetition, the compute floor dotted."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    names = list(step_ms)
+    ax.bar(names, [step_ms[n] for n in names], color=["0.6", "C3", "C1", "C2", "C0"][:len(names)], alpha=0.8)
+    for i, n in enumerate(names):
+        ax.plot([i] * len(spread[n]), spread[n], "k.", ms=4)
+        ax.text(i, step_ms[n], f"{step_ms[n]:.0f} ms", ha="center", va="bottom", fontsize=9)
+    ax.axhline(step_ms["no communication"], color="0.4", ls=":", lw=1)
+    ax.set(ylabel="time per step (ms)", title=title)
+    caption(fig, f"Bars: median of {len(spread[names[0]])} repetitions (dots: each repetition, slowest rank). Bucketing "
+            f"removes most of the communication cost: {step_ms['naive'] / step_ms['bucketed']:.1f}x faster than one "
+            "all-reduce per parameter; the dotted line is the compute floor.")
+    plt.show()
+
+
+def timeline_figure(recorded: dict, bucket_mb: float) -> None:
+    """Per rank, a compute row (forward, backward, wait, optimizer) and one row per bucket's all-reduce;
+    `recorded[overlap]` is timeline's result on every rank, overlap True on top."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    for ax, overlap in zip(axes, (True, False)):
+        world = len(recorded[overlap])
+        t0 = min(marks[0] for marks, _ in recorded[overlap])
+        count = len(recorded[overlap][0][1])
+        lane = 1.2 + 0.2 * count                                      # a compute row, then one row per bucket
+        for rank, (marks, buckets) in enumerate(recorded[overlap]):
+            ms = [(m - t0) * 1e3 for m in marks]
+            top = (world - 1 - rank) * lane
+            phases = [(ms[0], ms[1], "C0", "forward"), (ms[1], ms[2], "C9", "backward"),
+                      (ms[2], ms[3], (0.9, 0.6, 0.6), "waiting in finish_gradient_sync"),
+                      (ms[3], ms[4], "0.6", "optimizer")]
+            for a, b, colour, label in phases:
+                ax.barh(top, b - a, left=a, height=0.6, color=colour, label=label if rank == 0 else None)
+            for i, (launched, done) in enumerate(buckets):            # bucket 0 (the last layers) on the first row
+                ax.barh(top - 0.6 - 0.2 * i, (done - launched) * 1e3, left=(launched - t0) * 1e3, height=0.16,
+                        color=plt.cm.autumn(i / max(1, count - 1)),
+                        label="all-reduce of a bucket (one row each, bucket 0 first)" if rank == i == 0 else None)
+        ax.set_yticks([(world - 1 - r) * lane + k for r in range(world) for k in (0, -0.5 - 0.1 * count)],
+                      [f"rank {r} {what}" for r in range(world) for what in ("compute", "all-reduces")], fontsize=7)
+        how = "launched from the hooks (overlap=True)" if overlap else "launched after backward (overlap=False)"
+        ax.set_title(f"One step, {count} buckets of {bucket_mb:g} MiB, {how}")
+    end = max((m[4] - min(r[0] for r, _ in recorded[o])) * 1e3 for o in recorded for m, _ in recorded[o])
+    axes[0].set_xlim(0, end * 1.4)                                    # room on the right for the legend
+    axes[0].legend(fontsize=7, loc="upper right")
+    axes[1].set_xlabel("time since the step started (ms)")
+    caption(fig, "Top: the first buckets' all-reduces start while backward is still running. Bottom: nothing moves until "
+            "backward is over. On this CPU the gloo threads compete with backward for the same two cores, so overlap "
+            "shortens the wait less than on a GPU, where NCCL has its own links.")
+    plt.show()
+
+
+def sweep_figure(sweep_mb: list, sweep_ms: list, sweep_wait: list, counts: list, floor_ms: float,
+                 world: int) -> None:
+    """Step time and exposed wait against the bucket size (0 MiB: one bucket per parameter, drawn at the left)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    x = [max(mb, sweep_mb[1] / 3) for mb in sweep_mb]
+    ax.semilogx(x, sweep_ms, "o-", color="C0", label="step time")
+    ax.semilogx(x, sweep_wait, "s--", color="C3", label="waiting in finish_gradient_sync")
+    ax.axhline(floor_ms, color="0.4", ls=":", lw=1, label="no communication (4.1)")
+    for xi, ms, count in zip(x, sweep_ms, counts):
+        ax.annotate(f"{count}", (xi, ms), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xticks(x, ["per\nparam"] + [f"{mb:g}" for mb in sweep_mb[1:]], fontsize=8)
+    ax.set(xlabel="bucket size (MiB)", ylabel="time per step (ms)", ylim=(0, None),
+           title=f"Bucket size sweep, {world} ranks (numbers: how many buckets)")
+    ax.legend(fontsize=8)
+    caption(fig, "Small buckets are latency-bound: each all-reduce costs milliseconds here, so time falls as the count "
+            "falls. On this CPU communication cannot run beside compute for free, so the curve flattens instead of "
+            "rising again at one bucket; the model below shows the GPU case.")
+    plt.show()
+
+
+def exposed_figure(exposed_seconds, grad_bytes: float, backward_s: float, links: dict, world: int) -> None:
+    """The computed exposed communication against the bucket size, one curve per link {label: (W, alpha)}."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    bucket_sizes = np.geomspace(2**16, grad_bytes, 40)
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for (label, (busbw, alpha)), colour in zip(links.items(), ("C2", "C4")):
+        exposed = [exposed_seconds(grad_bytes, b, backward_s, busbw, alpha, world) * 1e3 for b in bucket_sizes]
+        best = bucket_sizes[int(np.argmin(exposed))]
+        ax.loglog(bucket_sizes / 2**20, exposed, "-", color=colour, label=f"{label} (best ~{best / 2**20:.0f} MiB)")
+    ax.axvline(25, color="0.5", ls=":", lw=1, label="torch DDP default, 25 MiB")
+    ax.set(xlabel="bucket size (MiB)", ylabel="exposed communication (ms)",
+           title=f"Model: communication left after backward, {grad_bytes / 1e9:.1f} GB of gradients")
+    ax.legend(fontsize=8)
+    caption(fig, "Computed, not measured. Left wall: thousands of tiny buckets queue up behind their latencies. Right "
+            "wall: one huge bucket starts only after backward, so all of it is exposed. DDP's 25 MiB sits in the valley.")
+    plt.show()
+
+
+def limits_figure(gpus, compute, all_reduce, models: dict, title: str, gpu_gb: float = 80) -> int:
+    """Left: compute and all-reduce seconds per step against the GPU count; right: 16 Psi bytes per model.
+    Returns the first GPU count at which the all-reduce outlasts the compute."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4))
+    ax_t.loglog(gpus, compute, "o-", label="compute per step (6ΨT/R)")
+    ax_t.loglog(gpus, all_reduce, "s-", color="C3", label="gradient all-reduce (2(N-1)/N · 2Ψ / W)")
+    ax_t.set(xlabel="GPUs N (data parallel)", ylabel="seconds per step", title=title)
+    ax_t.legend(fontsize=8)
+    ax_m.bar(list(models), [16 * p / 1e9 for p in models.values()], color="C0", alpha=0.8)
+    ax_m.axhline(gpu_gb, color="C3", ls="--", label=f"H100 memory, {gpu_gb:g} GB")
+    ax_m.set_yscale("log")
+    ax_m.set(ylabel="GB per GPU (16Ψ, before activations)", title="Data parallelism: every GPU holds everything")
+    ax_m.legend(fontsize=8)
+    crossover = int(gpus[np.argmax(all_reduce > compute)])
+    caption(fig, f"Computed from the formulas above (not measured). Left: from about {crossover} GPUs on, the all-reduce "
+            "outlasts the whole step's compute, so no overlap can hide it. Right: beyond ~5B parameters the model no "
+            "longer fits on one GPU at all.")
+    plt.show()
+    return crossover
