@@ -60,6 +60,7 @@ class AllReduceCall:
     def __init__(self, tensor: torch.Tensor, async_op: bool):
         self.numel, self.data_ptr, self.async_op = tensor.numel(), tensor.data_ptr(), async_op
         self.waited = not async_op  # a blocking call is done when it returns
+        self.tensor, self.sent = tensor, tensor.detach().clone()   # what it held when the all-reduce started
 
 
 class _RecordedWork:
@@ -300,6 +301,12 @@ def check_hooks(DataParallel: type) -> None:
                 detail = f"{got['total']} all-reduces for {got['buckets']} buckets: launch each bucket once"
             elif not got["waited"]:
                 detail = "finish_gradient_sync returned before waiting for every bucket's all-reduce"
+            elif any(r["stale"] for r in per_rank):
+                rank, name = next((rank, r["stale"]) for rank, r in enumerate(per_rank) if r["stale"])
+                detail = (f"rank {rank}'s all-reduce started before {name}'s gradient was in its bucket, so the "
+                          "gradients differ from one process's whenever the all-reduce reads the bucket early: mark "
+                          "a parameter ready in a post-accumulate-grad hook (after .grad holds the gradient), not a "
+                          "tensor hook")
             else:
                 for rank, r in enumerate(per_rank):
                     if not close_enough(r["grads"], expected, n=MODEL_ROUNDINGS):
@@ -317,13 +324,32 @@ def _hooks_on_rank(DataParallel: type, bucket_sizes: list) -> list:
         model = _model()
         dp = DataParallel(model, dist.group.WORLD, bucket_numel)
         _not_the_course_answer("check_hooks", dp, *dp.buckets)
+        local = _model()                                     # this rank's own gradient, without communication
+        loss_fn(local(tokens[:, :-1]), tokens[:, 1:]).backward()
         with recorded_all_reduces() as calls:
             loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
             in_backward = len(calls)
             dp.finish_gradient_sync()
         out.append({"buckets": len(dp.buckets), "in_backward": in_backward, "total": len(calls),
-                    "waited": all(c.waited for c in calls), "grads": _flat_grads(model)})
+                    "waited": all(c.waited for c in calls), "grads": _flat_grads(model),
+                    "stale": _sent_before_ready(model, local, calls)})
     return out
+
+
+def _sent_before_ready(model: nn.Module, local: nn.Module, calls: list[AllReduceCall]) -> str:
+    """The first parameter whose slice of a bucket did not hold this rank's gradient when its all-reduce started
+    ("" if none). Deterministic, unlike the reduced result: an async all-reduce may read the buffer late enough
+    to see a gradient that was written after it started."""
+    for (name, p), q in zip(model.named_parameters(), local.parameters()):
+        for call in calls:
+            g = p.grad
+            if g is None or g.untyped_storage().data_ptr() != call.tensor.untyped_storage().data_ptr():
+                continue
+            start = g.storage_offset() - call.tensor.storage_offset()
+            sent = call.sent.flatten()[start:start + g.numel()]
+            if start < 0 or not close_enough(sent, q.grad.flatten(), n=MODEL_ROUNDINGS):
+                return name
+    return ""
 
 
 # ---- 4. training with gradient accumulation ----------------------------------------------------
