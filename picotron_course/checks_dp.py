@@ -337,8 +337,8 @@ def _hooks_on_rank(DataParallel: type, bucket_sizes: list) -> list:
 
 
 def _sent_before_ready(model: nn.Module, local: nn.Module, calls: list[AllReduceCall]) -> str:
-    """The first parameter whose slice of a bucket did not hold this rank's gradient when its all-reduce started
-    ("" if none). Deterministic, unlike the reduced result: an async all-reduce may read the buffer late enough
+    """The first parameter whose slice of a bucket did not hold this rank's gradient (or its 1/N share) when its
+    all-reduce started ("" if none). Deterministic, unlike the reduced result: an async all-reduce may read the buffer late enough
     to see a gradient that was written after it started."""
     for (name, p), q in zip(model.named_parameters(), local.parameters()):
         for call in calls:
@@ -346,8 +346,10 @@ def _sent_before_ready(model: nn.Module, local: nn.Module, calls: list[AllReduce
             if g is None or g.untyped_storage().data_ptr() != call.tensor.untyped_storage().data_ptr():
                 continue
             start = g.storage_offset() - call.tensor.storage_offset()
-            sent = call.sent.flatten()[start:start + g.numel()]
-            if start < 0 or not close_enough(sent, q.grad.flatten(), n=MODEL_ROUNDINGS):
+            if start < 0 or start + g.numel() > call.tensor.numel():   # another bucket's part of one buffer
+                continue
+            sent, own = call.sent.flatten()[start:start + g.numel()], q.grad.flatten()
+            if not any(close_enough(sent, own / scale, n=MODEL_ROUNDINGS) for scale in (1, WORLD)):  # or pre-divided
                 return name
     return ""
 
