@@ -75,7 +75,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from picotron import checkpoint, comm, launch
-from picotron.config import FP8_RECIPES, LOSS_IMPLS, PRECISIONS, PRESETS, Config, ModelConfig, ParallelConfig, TrainConfig
+from picotron.config import (FP8_RECIPES, LOSS_IMPLS, PRECISIONS, PRESETS, Config, ModelConfig, ParallelConfig,
+                             TrainConfig)
 from picotron.costs import flops_per_token, peak_flops, training_flops_per_token
 from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
 from picotron.layout import validate
