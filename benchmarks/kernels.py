@@ -34,7 +34,7 @@ import platform
 import torch
 import torch.nn.functional as F
 
-from picotron.kernels import attention, gpu, rmsnorm, row_softmax, timing
+from picotron.kernels import attention, attention_tma, gpu, rmsnorm, row_softmax, timing
 from picotron.kernels.runtime import INTERPRETED
 from picotron.model import RMSNorm
 
@@ -122,7 +122,7 @@ def bench_attention(cases, backward: bool) -> list[dict]:
                "fwd ms": t_ours, "fwd TFLOP/s": flops / t_ours / 1e9,
                "v2 fwd TFLOP/s": flops / t_v2 / 1e9, "v2 fwd vs SDPA": t_sdpa / t_v2,
                "v3 fwd TFLOP/s": flops / t_v3 / 1e9, "v3 fwd vs SDPA": t_sdpa / t_v3,
-               "v3 config": str(attention.attention_forward_kernel_v3.best_config),
+               "v3 config": str(attention_tma.attention_forward_kernel_v3.best_config),
                "SDPA fwd ms": t_sdpa, "SDPA fwd TFLOP/s": flops / t_sdpa / 1e9, "fwd vs SDPA": t_sdpa / t_ours}
         if backward:
             do = torch.randn_like(out)

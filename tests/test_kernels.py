@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from picotron import tolerance
-from picotron.kernels import add, attention, gpu, rmsnorm, row_softmax, runtime, timing
+from picotron.kernels import add, attention, attention_tma, gpu, rmsnorm, row_softmax, runtime, timing
 from picotron.kernels.attention import flash_attention
 from picotron.kernels.rmsnorm import TritonRMSNorm
 from picotron.kernels.row_softmax import softmax
@@ -444,7 +444,7 @@ def test_flash_attention_forward_v3_autotuned_equals_sdpa(causal):
     tolerance.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
                            n=32 + 2 * 70)
     tolerance.assert_close(lse, attention.attention_forward_v2(q, k, v, causal)[1], n=32 + 70)
-    best = attention.attention_forward_kernel_v3.best_config.kwargs
+    best = attention_tma.attention_forward_kernel_v3.best_config.kwargs
     assert best["BLOCK_M"] % best["BLOCK_N"] == 0
 
 
@@ -527,7 +527,7 @@ COMPILE_ALL = """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from picotron.kernels import add, attention, rmsnorm, row_softmax
+    from picotron.kernels import add, attention, attention_tma, rmsnorm, row_softmax
 
     def compile(kernel, types, constexprs, warps, stages=3):
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
@@ -559,13 +559,13 @@ COMPILE_ALL = """
         block_m, block_n, warps, stages = attention._blocks(128, element_size=element_size)
         tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
         compile(attention.attention_forward_kernel_v1, typed, tiles, warps, stages)
-        compile(attention.attention_forward_kernel_v2, typed, tiles, warps, stages)
+        compile(attention_tma.attention_forward_kernel_v2, typed, tiles, warps, stages)
         block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=element_size)
         tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
         compile(attention.attention_backward_dkdv_kernel_v1, typed, tiles, warps, stages)
         compile(attention.attention_backward_dq_kernel_v1, typed, tiles, warps, stages)
-        compile(attention.attention_backward_dkdv_kernel_v2, typed, tiles, warps, stages)
-        compile(attention.attention_backward_dq_kernel_v2, typed, tiles, warps, stages)
+        compile(attention_tma.attention_backward_dkdv_kernel_v2, typed, tiles, warps, stages)
+        compile(attention_tma.attention_backward_dq_kernel_v2, typed, tiles, warps, stages)
 """
 
 
@@ -589,7 +589,7 @@ def test_compile_report_for_an_h100_shows_what_each_version_changed():
     reports = {r["name"]: r for r in rows}
     assert len(rows) == 22 and all(r["arch"] == 90 for r in rows)
     assert all(r["local_bytes"] == 0 and r["shared_bytes"] <= 227 * 1024 for r in rows), rows   # every v3 config too
-    assert sum(r["name"] == "attention_forward_kernel_v3" for r in rows) == len(attention._FORWARD_CONFIGS)
+    assert sum(r["name"] == "attention_forward_kernel_v3" for r in rows) == len(attention_tma.FORWARD_CONFIGS)
     v1, v2 = reports["attention_forward_kernel_v1"], reports["attention_forward_kernel_v2"]
     assert v1["hgmma"] > 0 and v2["hgmma"] > 0 and v1["hmma"] == v2["hmma"] == 0
     assert v1["tma_loads"] == 0 and v1["global_loads"] > 0

@@ -136,6 +136,7 @@ def h100_builds() -> list[tuple]:
     H100 for a typical shape: rows of 4096 bf16 values; attention with head_dim 128 in bf16."""
     import picotron.kernels.add as add
     import picotron.kernels.attention as attention
+    import picotron.kernels.attention_tma as attention_tma
     import picotron.kernels.rmsnorm as rmsnorm
     import picotron.kernels.row_softmax as row_softmax
 
@@ -160,14 +161,14 @@ def h100_builds() -> list[tuple]:
     tensors.update(lse_ptr=p32, delta_ptr=p32, qk_scale="fp32", scale="fp32")
     flash = dict(BLOCK_D=128, CAUSAL=True, DOT_FP32=False, PRECISION="tf32")
     block_m, block_n, warps, stages = attention._blocks(128, element_size=2)
-    for kernel in (attention.attention_forward_kernel_v1, attention.attention_forward_kernel_v2):
+    for kernel in (attention.attention_forward_kernel_v1, attention_tma.attention_forward_kernel_v2):
         builds.append((kernel, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages))
-    for config in attention._FORWARD_CONFIGS:     # forward v3: v2's kernel, each config its autotuner may pick
-        builds.append((attention.attention_forward_kernel_v3, tensors, dict(flash, **config.kwargs), config.num_warps,
-                       config.num_stages))
+    for config in attention_tma.FORWARD_CONFIGS:     # forward v3: v2's kernel, each config its autotuner may pick
+        builds.append((attention_tma.attention_forward_kernel_v3, tensors, dict(flash, **config.kwargs),
+                       config.num_warps, config.num_stages))
     block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=2)
     for kernel in (attention.attention_backward_dkdv_kernel_v1, attention.attention_backward_dq_kernel_v1,
-                   attention.attention_backward_dkdv_kernel_v2, attention.attention_backward_dq_kernel_v2):
+                   attention_tma.attention_backward_dkdv_kernel_v2, attention_tma.attention_backward_dq_kernel_v2):
         builds.append((kernel, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages))
     return builds
 

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from picotron.kernels.runtime import INTERPRETED, check_device
+from picotron.kernels.runtime import INTERPRETED, check_device, use_device_descriptors
 
 __all__ = ["rmsnorm_forward_kernel_v1", "rmsnorm_forward_kernel_v2", "rmsnorm_backward_kernel_v1",
            "rmsnorm_backward_kernel_v2", "rmsnorm_forward_v1", "rmsnorm_forward_v2", "rmsnorm_backward_v1",
@@ -205,11 +205,6 @@ def rmsnorm_backward_v1(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return dx, dw_partial.sum(dim=0).to(weight.dtype)
 
 
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory for the TMA descriptors a kernel makes on the device (triton.set_allocator's contract)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def rmsnorm_backward_v2(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """As rmsnorm_backward_v1, the tiles of x, dy and dx moved by TMA and pipelined 3 deep (v2). TMA needs rows
@@ -228,8 +223,7 @@ def rmsnorm_backward_v2(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     most = 4 if INTERPRETED else 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
     programs = max(1, min(tiles, most))
     dw_partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
-    if not INTERPRETED:
-        triton.set_allocator(_tma_scratch)
+    use_device_descriptors()
     if n_rows:
         rmsnorm_backward_kernel_v2[(programs,)](dy, x, weight, rstd, dx, dw_partial, n_rows, n_cols, dy.stride(0),
                                                 x.stride(0), dx.stride(0), ROWS=rows, BLOCK=block,

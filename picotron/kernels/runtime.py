@@ -6,6 +6,7 @@ nothing from picotron. It holds:
     INTERPRETED      True when the kernels run in the Triton interpreter (on the CPU)
     kernel_device    where the kernels' tensors must live: "cpu" interpreted, "cuda" compiled
     check_device     a clear error for a tensor that is elsewhere
+    use_device_descriptors   give kernels that make tensor descriptors (TMA) the global memory they need
 
 On a machine without a GPU the kernels run in the Triton interpreter, which executes each program
 with numpy on the CPU: same code, same results, no speed (Playbook, "A primer on GPU", "Fused
@@ -30,7 +31,7 @@ import sys
 
 import torch
 
-__all__ = ["INTERPRETED", "kernel_device", "check_device"]
+__all__ = ["INTERPRETED", "kernel_device", "check_device", "use_device_descriptors"]
 
 if not torch.cuda.is_available():
     # No GPU: the interpreter is the only way to run a Triton kernel at all (triton >= 3.8 with numpy 2.4).
@@ -85,3 +86,12 @@ def check_device(*tensors: torch.Tensor) -> None:
             how = "in the Triton interpreter (no GPU here)" if INTERPRETED else "compiled for the GPU"
             raise ValueError(f"picotron.kernels runs {how}, so its tensors must be on {want}, but one is on "
                              f"{t.device}; move it with .to('{want}')")
+
+
+def use_device_descriptors() -> None:
+    """Compiled kernels that call tl.make_tensor_descriptor need a little global memory for the descriptors
+    (triton.set_allocator's contract); the interpreter needs none."""
+    if not INTERPRETED:
+        import triton
+
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
