@@ -33,6 +33,7 @@ import time
 import torch
 
 from picotron.config import ModelConfig
+from picotron.tolerance import tf32_matmuls
 
 
 # Dense bf16 tensor-core peaks from the vendors' spec sheets (without sparsity), FLOP/s.
@@ -62,8 +63,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tup
         spec = next(((key, value) for key, value in GPU_PEAK_FLOPS.items() if key in name), None)  # most specific first
         if spec and dtype == torch.bfloat16:
             return spec[1], f"{spec[0]} spec-sheet dense bf16"
-        tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-        if spec and dtype == torch.float32 and tf32:
+        if spec and dtype == torch.float32 and tf32_matmuls(device):
             return spec[1] / 2, f"{spec[0]} spec-sheet dense TF32 (half of bf16)"
         kind = str(dtype).removeprefix("torch.")
         return measured_matmul_flops(device, dtype), f"{name}: measured {kind} matmul"

@@ -366,14 +366,40 @@ class _NotConnected(Exception):
 
 
 def _pickle_task(fn: Callable, args: tuple, kwargs: dict) -> bytes:
-    import cloudpickle
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        return _dumps_keeping_file_names((fn, args, kwargs))
     except Exception as e:  # noqa: BLE001 - say what could not travel and what to do instead
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(f"run() cannot send {name} and its arguments to the ranks: {type(e).__name__}: {e}. "
                         "Each rank gets a copy of the function, its arguments and the notebook values it uses; "
                         "create such an object inside the function instead (or pass what it is built from)") from e
+
+
+def _dumps_keeping_file_names(obj) -> bytes:
+    """cloudpickle.dumps, except that code copied by value keeps its file name.
+
+    cloudpickle 3.1 renames the file of every code object it copies to "<dynamic-code>" (2.x kept
+    it), and a rank's traceback finds a notebook cell's lines (sent with `_cell_sources`) by that
+    name. So each code object is rebuilt however the installed cloudpickle rebuilds it, then given
+    its own file name back (`rank_server.code_with_file_name`).
+    """
+    import io
+    import types
+    from collections import ChainMap
+
+    import cloudpickle
+
+    from picotron.rank_server import code_with_file_name
+    reduce_code = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap(
+            {types.CodeType: lambda code: (code_with_file_name, (*reduce_code(code)[:2], code.co_filename))},
+            cloudpickle.Pickler.dispatch_table)
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def _cell_sources() -> dict:

@@ -99,8 +99,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["SAFETY", "LOSS_ATOL", "TRAINING_GRAD_TOL", "ADAM_WEIGHTS_ATOL", "BF16_TRAINING_RTOL", "unit_roundoff",
-           "relative_bound", "llama_roundings", "tolerance", "Comparison", "compare", "compare_all", "close_enough",
-           "assert_close"]
+           "relative_bound", "tf32_matmuls", "llama_roundings", "tolerance", "Comparison", "compare", "compare_all",
+           "close_enough", "assert_close"]
 
 SAFETY = 8                  # C: the bound is C sqrt(n) u scale (why 8: the module's docstring)
 LOSS_ATOL = 1e-5            # N ranks vs one process, while training: fp32 losses, every step (a claim of the course)
@@ -129,12 +129,12 @@ def unit_roundoff(dtype: torch.dtype, *, device: torch.device | str | None = Non
         raise ValueError(f"dtype={dtype}: no unit roundoff known (float8 formats: compare their dequantized values "
                          f"in the dtype of the arithmetic); choose one of {sorted(map(str, _BITS))}")
     bits = _BITS[dtype]
-    if dtype == torch.float32 and (tf32 if tf32 is not None else _tf32_matmuls(device)):
+    if dtype == torch.float32 and (tf32 if tf32 is not None else tf32_matmuls(device)):
         bits = _TF32_BITS
     return 2.0 ** -bits
 
 
-def _tf32_matmuls(device: torch.device | str | None) -> bool:
+def tf32_matmuls(device: torch.device | str | None) -> bool:
     """Do fp32 torch matmuls on `device` run in TF32? Only on CUDA, and only where torch was told they may."""
     if device is None or torch.device(device).type != "cuda":
         return False
