@@ -117,10 +117,17 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 def save_hf_llama(folder, tied=False, rope=None, **save_kwargs):
     """A small random transformers LlamaForCausalLM saved to `folder`; returns the model."""
     transformers = pytest.importorskip("transformers")
+    rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
+    if int(transformers.__version__.split(".")[0]) < 5:   # the layout before rope_parameters (4.x)
+        rope_kwargs = {"rope_theta": rope["rope_theta"],
+                       "rope_scaling": None if rope["rope_type"] == "default" else
+                       {k: v for k, v in rope.items() if k != "rope_theta"}}
+    else:
+        rope_kwargs = {"rope_parameters": rope}
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied, rms_norm_eps=1e-5,
-        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="sdpa")
+        attn_implementation="sdpa", **rope_kwargs)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():   # larger than the 0.02 init, and norms != 1, so a wrong mapping shows
