@@ -16,6 +16,10 @@ body, unbalanced, or nested) are an error: an exercise must still define every f
 check cell calls. In a markdown cell, text between `<!-- BEGIN SOLUTION -->` and
 `<!-- END SOLUTION -->` (an answer to a question) becomes "*Write your answer here.*".
 
+`generate` also makes the set-up cell (picotron_course/setup_cell.py, which installs the course
+where it is missing, as on Colab) the first code cell of every chapter and solution, so of every
+exercise too.
+
 Notebooks are written without outputs or execution counts (`strip_outputs` does the same for
 any notebook), so the diffs of a pull request show only what an author changed.
 """
@@ -28,6 +32,8 @@ import re
 from pathlib import Path
 
 import nbformat
+
+from picotron_course.setup_cell import with_setup_cell
 
 __all__ = ["MarkerError", "stub_code", "stub_markdown", "make_exercise", "generate", "stale", "clean",
            "strip_outputs", "is_check_cell", "check_name", "SOLUTIONS", "EXERCISES"]
@@ -234,6 +240,12 @@ def generate(root: str | Path = ".", only: list[str] | None = None) -> list[Path
             raise ValueError(f"no {SOLUTIONS}/<name>.ipynb for {sorted(unknown)}; the assignments are "
                              f"{sorted(solution.stem for solution, _ in pairs)}")
         pairs = [(solution, exercise) for solution, exercise in pairs if solution.stem in wanted]
+    chapters = sorted((root / "chapters").glob("*.ipynb")) if only is None else []
+    for notebook in chapters + [solution for solution, _ in pairs]:
+        nb = nbformat.read(notebook, as_version=4)
+        if with_setup_cell(nb):   # every chapter and assignment can install the course (Colab)
+            notebook.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+            changed.append(notebook)
     for solution, exercise in pairs:
         text = _exercise_text(solution)
         if not exercise.exists() or exercise.read_text(encoding="utf-8") != text:
@@ -246,6 +258,9 @@ def stale(root: str | Path = ".") -> list[str]:
     """What is out of date in exercises/ (empty when it is exactly what `generate` would write)."""
     root, problems = Path(root), []
     pairs = _pairs(root)
+    for notebook in sorted((root / "chapters").glob("*.ipynb")) + [solution for solution, _ in pairs]:
+        if with_setup_cell(nbformat.read(notebook, as_version=4)):
+            problems.append(f"{notebook}'s first code cell is not the set-up cell of picotron_course/setup_cell.py")
     for solution, exercise in pairs:
         if not exercise.exists():
             problems.append(f"{exercise} is missing")
