@@ -19,7 +19,13 @@ from picotron_course.notebook import caption
 __all__ = ["seconds", "measure_machine", "generated_kernel", "saved_bytes", "train_side_by_side",
            "memory_levels_figure", "roofline_figure", "measured_roofline_figure", "waves_figure",
            "coalescing_figure", "softmax_time_figure", "causal_tiles_figure", "attention_traffic_figure",
-           "gpu_bandwidth_figure"]
+           "gpu_bandwidth_figure", "without_triton"]
+
+
+def without_triton(what: str, where: str) -> None:
+    """What a cell that runs a Triton kernel prints where triton is not installed (macOS, Windows outside WSL)."""
+    print(f"Skipped here: {what} needs triton, which is built for Linux only. Read the code in {where}; on Linux, "
+          "in WSL or on Colab this cell runs it.")
 
 
 # ---- timing and measuring ----------------------------------------------------------------------

@@ -111,11 +111,17 @@ def test_chapter_00_sets_itself_up_outside_the_repository(tmp_path):
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     _share_torch(site_packages, tmp_path / "torch-as-preinstalled")
     subprocess.run([python, "-m", "pip", "install", "-q", "ipykernel", "nbclient"], check=True)
+    clone = tmp_path / "clone"   # what pip builds from (it writes build/ beside the sources: not in this checkout)
+    clone.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, clone / name)
+    for name in ("picotron", "picotron_course"):
+        shutil.copytree(ROOT / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
     notebook = tmp_path / "work" / "00_collectives.ipynb"
     notebook.parent.mkdir()
     shutil.copy(ROOT / "chapters" / "00_collectives.ipynb", notebook)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {
-        "PICOTRON_SOURCE": str(ROOT), "JUPYTER_DATA_DIR": str(tmp_path / "jupyter")}   # no kernel of this machine's
+        "PICOTRON_SOURCE": str(clone), "JUPYTER_DATA_DIR": str(tmp_path / "jupyter")}   # no kernel of this machine's
     execute = ("import nbclient, nbformat, sys; nb = nbformat.read(sys.argv[1], as_version=4); "
                "nbclient.NotebookClient(nb, timeout=300, kernel_name='python3', resources={'metadata': {'path': "
                "sys.argv[2]}}).execute(); print(''.join(o.get('text', '') for o in nb.cells[next(i for i, c in "
@@ -123,5 +129,5 @@ def test_chapter_00_sets_itself_up_outside_the_repository(tmp_path):
     done = subprocess.run([python, "-c", execute, str(notebook), str(notebook.parent)], env=env, cwd=notebook.parent,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert re.search(f"picotron installed from {re.escape(str(ROOT))}: \\d+ packages; torch \\S+ kept", done.stdout), \
+    assert re.search(f"picotron installed from {re.escape(str(clone))}: \\d+ packages; torch \\S+ kept", done.stdout), \
         done.stdout   # the torch already there is kept, as Colab's would be

@@ -59,6 +59,7 @@ import triton.language as tl
 
 from picotron.kernels.attention_tma import (attention_backward_dkdv_kernel_v2, attention_backward_dq_kernel_v2,
                                             attention_forward_kernel_v2, attention_forward_kernel_v3)
+from picotron.kernels.gpu import attention_flops  # noqa: F401 - the formula lives with the roofline
 from picotron.kernels.runtime import INTERPRETED, check_device, use_device_descriptors
 
 __all__ = ["attention_forward_kernel_v1", "attention_backward_dkdv_kernel_v1", "attention_backward_dq_kernel_v1",
@@ -479,12 +480,3 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return FlashAttentionFunction.apply(q, k, v, causal, scale, blocks, version)
 
 
-def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool = True,
-                    backward: bool = False) -> float:
-    """FLOPs of attention's two matmuls (Q K^T and P V: 2 * 2 * seq_q * seq_k * head_dim per head), halved when
-    causal (the convention of FlashAttention's benchmarks); backward does 2.5 times the forward's
-    (five matmuls instead of two; the recomputation of P counted)."""
-    flops = 4 * batch * heads * seq_q * seq_k * head_dim
-    if causal:
-        flops /= 2
-    return flops * (2.5 if backward else 1.0)

@@ -1,7 +1,9 @@
 """What a GPU is made of, and the two numbers that bound every kernel: peak FLOP/s and bandwidth.
 
 The figures and counters chapters/09_gpu_kernels.ipynb uses: GPUSpec (H100_SXM, H200), roofline,
-sectors_per_warp, and count_traffic (the bytes each eager aten op moves).
+sectors_per_warp, count_traffic (the bytes each eager aten op moves), and what each kernel of
+picotron/kernels/ moves or computes (softmax_bytes, rmsnorm_bytes, attention_flops), here rather than
+beside the kernels so that they can be read where triton cannot be installed.
 
 An H100 SXM has 132 streaming multiprocessors (SMs). Each SM runs up to 64 warps of 32 threads,
 holds 65,536 32-bit registers (256 KB) and 256 KB of L1 cache that a kernel can partly use as
@@ -34,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["GPUSpec", "H100_SXM", "H200", "roofline", "arithmetic_intensity", "sectors_per_warp",
-           "OpTraffic", "count_traffic"]
+           "OpTraffic", "count_traffic", "softmax_unfused", "softmax_bytes", "rmsnorm_bytes", "attention_flops"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,49 @@ def count_traffic(fn: Callable, *args, **kwargs) -> tuple[object, list[OpTraffic
     with _TrafficMode() as mode:
         out = fn(*args, **kwargs)
     return out, mode.ops
+
+
+# ---- what the kernels of picotron/kernels/ move and compute (no Triton needed to read them) ----
+def softmax_unfused(x: torch.Tensor) -> torch.Tensor:
+    """The same math as five separate torch ops: each reads its input from memory and writes its output."""
+    m = x.amax(dim=-1, keepdim=True)      # read x,         write m
+    shifted = x - m                       # read x and m,   write x - m
+    e = shifted.exp()                     # read,           write e
+    total = e.sum(dim=-1, keepdim=True)   # read e,         write the sums
+    return e / total                      # read e and sum, write y
+
+
+def softmax_bytes(n_rows: int, n_cols: int, element_size: int, version: str = "fused") -> int:
+    """Bytes a softmax moves to and from memory: 'fused' (v1, v2), 'online' (v3) or 'unfused' (5 torch ops).
+
+    Per element, unfused: amax 1 read, subtract 1 read + 1 write, exp 1 + 1, sum 1, divide 1 + 1 = 8;
+    the per-row max and sum (n_rows values, 4 more passes) are counted too.
+    """
+    elements = n_rows * n_cols * element_size
+    per_row = n_rows * element_size
+    if version == "fused":
+        return 2 * elements
+    if version == "online":
+        return 3 * elements
+    if version == "unfused":
+        return 8 * elements + 4 * per_row
+    raise ValueError(f"version must be 'fused', 'online' or 'unfused', not {version!r}")
+
+
+def rmsnorm_bytes(n_rows: int, n_cols: int, element_size: int, backward: bool = False) -> int:
+    """Bytes the kernels move: forward reads x and w, writes y and rstd; backward reads dy, x, w, rstd,
+    writes dx and the partial dw rows (not counted: a few rows)."""
+    if backward:
+        return 3 * n_rows * n_cols * element_size + n_cols * element_size + 4 * n_rows
+    return 2 * n_rows * n_cols * element_size + n_cols * element_size + 4 * n_rows
+
+
+def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool = True,
+                    backward: bool = False) -> float:
+    """FLOPs of attention's two matmuls (Q K^T and P V: 2 * 2 * seq_q * seq_k * head_dim per head), halved when
+    causal (the convention of FlashAttention's benchmarks); backward does 2.5 times the forward's
+    (five matmuls instead of two; the recomputation of P counted)."""
+    flops = 4 * batch * heads * seq_q * seq_k * head_dim
+    if causal:
+        flops /= 2
+    return flops * (2.5 if backward else 1.0)

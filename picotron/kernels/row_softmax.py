@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from picotron.kernels.gpu import softmax_bytes, softmax_unfused  # noqa: F401 - the formula lives with the roofline
 from picotron.kernels.runtime import INTERPRETED, check_device
 
 __all__ = ["softmax_kernel_v1", "softmax_kernel_v2", "softmax_kernel_v3", "softmax_v1", "softmax_v2", "softmax_v3",
@@ -139,30 +140,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def softmax_unfused(x: torch.Tensor) -> torch.Tensor:
-    """The same math as five separate torch ops: each reads its input from memory and writes its output."""
-    m = x.amax(dim=-1, keepdim=True)      # read x,         write m
-    shifted = x - m                       # read x and m,   write x - m
-    e = shifted.exp()                     # read,           write e
-    total = e.sum(dim=-1, keepdim=True)   # read e,         write the sums
-    return e / total                      # read e and sum, write y
 
 
-def softmax_bytes(n_rows: int, n_cols: int, element_size: int, version: str = "fused") -> int:
-    """Bytes a softmax moves to and from memory: 'fused' (v1, v2), 'online' (v3) or 'unfused' (5 torch ops).
-
-    Per element, unfused: amax 1 read, subtract 1 read + 1 write, exp 1 + 1, sum 1, divide 1 + 1 = 8;
-    the per-row max and sum (n_rows values, 4 more passes) are counted too.
-    """
-    elements = n_rows * n_cols * element_size
-    per_row = n_rows * element_size
-    if version == "fused":
-        return 2 * elements
-    if version == "online":
-        return 3 * elements
-    if version == "unfused":
-        return 8 * elements + 4 * per_row
-    raise ValueError(f"version must be 'fused', 'online' or 'unfused', not {version!r}")
 
 
 def _prepare(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,10 +3,13 @@
 Every kernel file of picotron/kernels/ imports this module before it defines a kernel; it imports
 nothing from picotron. It holds:
 
+    TRITON           False where triton is not installed: it is built for Linux only (macOS and Windows
+                     outside WSL have no Triton, and chapter 09 then runs its torch parts only)
     INTERPRETED      True when the kernels run in the Triton interpreter (on the CPU)
     kernel_device    where the kernels' tensors must live: "cpu" interpreted, "cuda" compiled
     check_device     a clear error for a tensor that is elsewhere
     use_device_descriptors   give kernels that make tensor descriptors (TMA) the global memory they need
+    gpu_problem      why this GPU cannot run a compiled kernel (capability, shared memory), or None
 
 On a machine without a GPU the kernels run in the Triton interpreter, which executes each program
 with numpy on the CPU: same code, same results, no speed (Playbook, "A primer on GPU", "Fused
@@ -26,12 +29,25 @@ calls them fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
 import torch
 
-__all__ = ["INTERPRETED", "kernel_device", "check_device", "use_device_descriptors"]
+__all__ = ["TRITON", "INTERPRETED", "kernel_device", "check_device", "use_device_descriptors", "gpu_problem"]
+
+
+def _triton_installed() -> bool:
+    """Whether `import triton` can work here, without importing it (a finder that hides it may raise)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:
+        return False
+
+
+TRITON: bool = _triton_installed()
+"""False where triton is not installed (it is built for Linux only): the kernels cannot run at all."""
 
 if not torch.cuda.is_available():
     # No GPU: the interpreter is the only way to run a Triton kernel at all (triton >= 3.8 with numpy 2.4).
@@ -69,7 +85,7 @@ def _interpret_triton_library() -> int:
     return len(rewrapped)
 
 
-if INTERPRETED:
+if INTERPRETED and TRITON:
     _interpret_triton_library()
 
 
@@ -95,3 +111,21 @@ def use_device_descriptors() -> None:
         import triton
 
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+def gpu_problem(capability: tuple[int, int] = (8, 0), shared_kib: int = 0) -> str | None:
+    """Why this machine cannot run a compiled kernel that needs compute `capability` and `shared_kib` KiB of shared
+    memory per program, or None when it can. bf16 tl.dot needs Ampere (8.0) or newer; H100-sized tiles need the
+    shared memory an A100 or H100 gives (a T4 has 64 KiB, an L4 99 KiB)."""
+    if not TRITON:
+        return "triton is not installed (it is built for Linux only)"
+    if not torch.cuda.is_available():
+        return "there is no GPU here"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if (props.major, props.minor) < capability:
+        return (f"the {props.name} is compute capability {props.major}.{props.minor}; these kernels need "
+                f"{capability[0]}.{capability[1]} or newer")
+    shared = getattr(props, "shared_memory_per_block_optin", None)
+    if shared is not None and shared < shared_kib * 1024:
+        return f"the {props.name} gives a program {shared // 1024} KiB of shared memory; these tiles need {shared_kib} KiB"
+    return None
