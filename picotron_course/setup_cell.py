@@ -72,11 +72,15 @@ def with_setup_cell(nb) -> bool:
     """Make the set-up cell `nb`'s first code cell (before its imports); True when that changed `nb`."""
     import nbformat
     cells = nb.cells
-    at = next((i for i, c in enumerate(cells) if TAG in c.get("metadata", {}).get("tags", [])), None)
+    at = next((i for i, c in enumerate(cells) if TAG in c.get("metadata", {}).get("tags", [])
+               or (c.cell_type == "code" and c.source == SOURCE)), None)
     if at is not None:
-        if cells[at].source == SOURCE:
+        tags = cells[at].setdefault("metadata", {}).setdefault("tags", [])
+        if cells[at].source == SOURCE and TAG in tags:
             return False
         cells[at].source = SOURCE
+        if TAG not in tags:
+            tags.append(TAG)
         return True
     first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
     cells.insert(first_code, nbformat.v4.new_code_cell(SOURCE, metadata={"tags": [TAG]}, id=TAG))

@@ -373,7 +373,7 @@ def test_generate_names_the_notebook_and_cell(tmp_path):
                                          nbformat.v4.new_code_cell("### BEGIN SOLUTION\nx = 1\n### END SOLUTION",
                                                                    id="b")])
     nbformat.write(nb, tmp_path / "solutions" / "99_bad.ipynb")
-    with pytest.raises(MarkerError, match=r"99_bad.ipynb, cell 2, line 1"):
+    with pytest.raises(MarkerError, match=r"99_bad.ipynb, cell 3, line 1"):   # after the set-up cell generate adds
         exercises.generate(tmp_path)
 
 

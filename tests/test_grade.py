@@ -20,6 +20,7 @@ import pytest
 from picotron_course import exercises
 from picotron_course.__main__ import main
 from picotron_course.grade import _fingerprints, grade, grade_folder
+from picotron_course.setup_cell import SOURCE as SETUP_CELL
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "99_tiny"
@@ -49,6 +50,7 @@ DOUBLE = 'def double(x):\n    """2 x."""\n    ### BEGIN SOLUTION\n    return 2 *
 SQUARE = 'def square(x):\n    """x squared."""\n    ### BEGIN SOLUTION\n    return x * x\n    ### END SOLUTION\n'
 SOLUTION_CELLS = [
     ("markdown", "# Assignment 99: a tiny course"),
+    ("code", SETUP_CELL),   # as every notebook of the course has (generate would add it)
     ("code", f"from {CHECKS_MODULE} import check_double, check_square"),
     ("markdown", "## 1. Double"),
     ("code", DOUBLE),
@@ -82,7 +84,7 @@ def exercise(root):
 def solved(root):
     """The exercise with both functions written (the solution's cells) and no written answers."""
     nb = exercise(root)
-    nb.cells[3].source, nb.cells[7].source = DOUBLE, SQUARE
+    nb.cells[4].source, nb.cells[8].source = DOUBLE, SQUARE
     return nb
 
 
@@ -118,15 +120,15 @@ def graded_class(course, tmp_path_factory):
     insert(alice, len(alice.cells), "Sixteen.", "markdown")
     bob = exercise(course)  # the exercise as handed out, in a flat file named after the assignment
     carol = exercise(course)  # deletes one check cell, edits the other into one that passes
-    del carol.cells[4]
-    carol.cells[7].source = "check_square(lambda x: x * x)"
+    del carol.cells[5]
+    carol.cells[8].source = "check_square(lambda x: x * x)"
     dave = exercise(course)  # rebinds the name in the notebook, then patches the module
-    insert(dave, 4, "check_double = lambda f: None")
-    insert(dave, 9, f"import {CHECKS_MODULE}\n{CHECKS_MODULE}.check_square = lambda f: None")
+    insert(dave, 5, "check_double = lambda f: None")
+    insert(dave, 10, f"import {CHECKS_MODULE}\n{CHECKS_MODULE}.check_square = lambda f: None")
     erin = exercise(course)  # changes the check function in place; a wrong square and the helper that would see it
-    erin.cells[7].source = "def square(x):\n    return x + x"
-    insert(erin, 4, "check_double.__code__ = (lambda double: None).__code__")
-    insert(erin, 9, f"import {CHECKS_MODULE}\n{CHECKS_MODULE}._expect = lambda *args: None")
+    erin.cells[8].source = "def square(x):\n    return x + x"
+    insert(erin, 5, "check_double.__code__ = (lambda double: None).__code__")
+    insert(erin, 10, f"import {CHECKS_MODULE}\n{CHECKS_MODULE}._expect = lambda *args: None")
     submissions = {"alice": write(alice, folder / "alice" / f"{TINY}.ipynb"),
                    "bob": write(bob, folder / f"bob_{TINY}.ipynb"),
                    "carol": write(carol, folder / "carol" / f"{TINY}.ipynb"),
@@ -153,8 +155,8 @@ def test_batch_csv_has_a_row_per_student_and_check(graded_class):
     assert got == [
         ("alice", TINY, "check_double", str(cell_of(alice, double)), "passed"),
         ("alice", TINY, "check_square", str(cell_of(alice, square)), "passed"),
-        ("bob", TINY, "check_double", "5", "not done"),
-        ("bob", TINY, "check_square", "9", "not done"),
+        ("bob", TINY, "check_double", str(cell_of(bob, double)), "not done"),
+        ("bob", TINY, "check_square", str(cell_of(bob, square)), "not done"),
         ("carol", TINY, "check_double", "", "missing"),
         ("carol", TINY, "check_square", str(cell_of(carol, "check_square(lambda x: x * x)")), "edited"),
         ("dave", TINY, "check_double", str(cell_of(dave, double)), "rebound"),
@@ -173,8 +175,8 @@ def test_deleted_or_edited_check_scores_zero(graded_class):
     carol = graded_class[1]["carol"]
     assert carol.score == (0, 2)
     assert [(r.name, r.result, r.cell) for r in carol.checks] == \
-           [("check_double", "missing", None), ("check_square", "edited", 8)]
-    assert "exercise's cell 5" in carol.checks[0].detail
+           [("check_double", "missing", None), ("check_square", "edited", 9)]
+    assert "exercise's cell 6" in carol.checks[0].detail
 
 
 def test_rebound_check_scores_zero(graded_class):
