@@ -77,7 +77,7 @@ from picotron.config import ModelConfig
 from picotron.model import Llama
 from picotron.parallel.zero import FlatGroup, ZeroOptimizer
 
-__all__ = ["save", "load", "load_model_weights", "read_info", "check_save_dir"]
+__all__ = ["save", "load", "load_model_weights", "read_info", "check_save_dir", "check_checkpoint"]
 
 INFO_FILE = "picotron.json"   # beside DCP's files: the config and layout it was saved from, for people
 
@@ -162,6 +162,14 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
     weights = {name: p.detach() for name, p in model.named_parameters()}
     with _dcp_context(single_process=True):
         dcp.load({"model": weights}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+
+def check_checkpoint(path: str | os.PathLike, config: ModelConfig) -> None:
+    """Raise FileNotFoundError or ValueError naming the fix unless `path` holds a checkpoint of a model of
+    `config` (any layout). Reads only DCP's index: `python -m picotron.train --resume` runs it before any
+    rank starts, and `load` runs the same checks."""
+    path = os.fspath(path)
+    _check_model(_read_metadata(path), config, path)
 
 
 def read_info(path: str | os.PathLike) -> dict:
@@ -357,14 +365,39 @@ def _check_single_process_shapes(states: list[ParamState], trainer) -> None:
                 f"_param_states how this layout splits its parameters, or save from one of those")
 
 
+_PASS_ONE = "pass a directory checkpoint.save wrote (the trainer's --save-dir writes SAVE_DIR/step_NNNNNN)"
+
+
 def _read_metadata(path: str):
+    """DCP's index of the checkpoint at `path`; FileNotFoundError or ValueError naming the fix if there is none."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r}: the directory does not exist; pass the directory "
-                                f"picotron.checkpoint.save wrote")
+        raise FileNotFoundError(f"no checkpoint at {path!r}: the directory does not exist; "
+                                + _checkpoints_in(os.path.dirname(os.path.abspath(path))))
+    if os.path.isfile(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        saved_here = os.path.isfile(os.path.join(folder, ".metadata"))
+        raise FileNotFoundError(f"{path!r} is a file, not a checkpoint directory; " + (
+            f"pass the checkpoint directory that holds it, {folder}" if saved_here else _checkpoints_in(folder)))
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileNotFoundError(f"{path!r} holds no checkpoint: DCP's .metadata file is missing (not a directory "
-                                f"checkpoint.save wrote, or a save that did not finish)")
-    return dcp.FileSystemReader(path).read_metadata()
+        raise FileNotFoundError(f"{path!r} holds no checkpoint: DCP's .metadata file is missing (a save that did not "
+                                f"finish leaves none either); " + _checkpoints_in(path))
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:   # noqa: BLE001 - an empty or cut .metadata raises whatever unpickling meets
+        raise ValueError(f"{path!r} has a .metadata file DCP cannot read ({type(error).__name__}: {error}); the save "
+                         f"did not finish: resume from an earlier checkpoint") from None
+
+
+def _checkpoints_in(folder: str) -> str:
+    """The end of a message: the checkpoints `folder` holds, to pass one of them, or what to pass."""
+    try:
+        saved = sorted(name for name in os.listdir(folder) if os.path.isfile(os.path.join(folder, name, ".metadata")))
+    except OSError:   # no such folder, or one this process may not list
+        saved = []
+    if not saved:
+        return _PASS_ONE
+    shown = ", ".join(saved[-3:]) + (f" (and {len(saved) - 3} earlier)" if len(saved) > 3 else "")
+    return f"{folder} holds the checkpoints {shown}: pass one of them, e.g. {os.path.join(folder, saved[-1])}"
 
 
 def _check_model(metadata, config: ModelConfig, path: str) -> None:
@@ -379,13 +412,15 @@ def _check_model(metadata, config: ModelConfig, path: str) -> None:
     if not problems:
         return
     saved_model = read_info(path).get("model", {})
+    recorded = f"{os.path.join(path, INFO_FILE)} records it; " if saved_model else ""
     here = dataclasses.asdict(config)
     differ = [f"{k}={saved_model[k]!r} there, {here[k]!r} here" for k in here
               if k in saved_model and saved_model[k] != here[k]]
     raise ValueError(f"the checkpoint at {path!r} is of a different model: {'; '.join(problems[:4])}"
                      f"{f' (and {len(problems) - 4} more)' if len(problems) > 4 else ''}. "
                      + (f"Its ModelConfig differs: {'; '.join(differ)}. " if differ else "")
-                     + "Build the Trainer with the model config the checkpoint was saved with")
+                     + f"Build the model with the config it was saved with ({recorded}on the command line, the "
+                       f"same --config, --preset and model flags)")
 
 
 def _rank(trainer) -> int:

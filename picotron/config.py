@@ -12,8 +12,8 @@ and reads/writes the JSON files in configs/, whose sections are "model", "parall
 `validate(config, world_size)` rejects every impossible combination with a message that
 names the values and the fix, so a bad config fails at start-up instead of hanging a
 collective later. It starts with `check_fields`, which checks every field against its
-annotation (an int field takes an int and not a bool, a float field an int or a float, ...)
-and against its lower bound in AT_LEAST (seq_len >= 1, steps >= 0, ...). `Config.from_json`
+annotation (an int field takes an int and not a bool, a float field an int or a finite float,
+...) and against its lower bound in AT_LEAST (seq_len >= 1, steps >= 0, ...). `Config.from_json`
 and `Config.from_dict` run the same check before building the dataclasses, naming the file
 and the key (`configs/x.json: parallel.dp='2' has type str; expected int (write 2, without quotes)`).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -365,14 +366,26 @@ def _unquote_hint(hint: Any, value: Any) -> str:
     return f" (write {json.dumps(parsed)}, without quotes)" if parsed is not None and _accepts(hint, parsed) else ""
 
 
+def _default(kind: type, name: str) -> Any:
+    """The default value of field `name` of dataclass `kind` (None if it has none)."""
+    f = next(f for f in dataclasses.fields(kind) if f.name == name)
+    return f.default if f.default is not dataclasses.MISSING else None
+
+
 def check_fields(kind: type, values: dict, where: str = "") -> None:
     """Raise ValueError if a value in `values` (field name -> value of dataclass `kind`) has the wrong type
-    for its annotation or lies below its bound in AT_LEAST; `where` prefixes the key ("c.json: train.")."""
+    for its annotation, is not finite (nan, inf) or lies below its bound in AT_LEAST; `where` prefixes the
+    key ("c.json: train.")."""
     hints = _type_hints(kind)
     for name, value in values.items():
         if not _accepts(hints[name], value):
             raise ValueError(f"{where}{name}={value!r} has type {type(value).__name__}; expected "
                              f"{_type_name(hints[name])}{_unquote_hint(hints[name], value)}")
+        numbers = value if isinstance(value, (tuple, list)) else [value]    # betas holds two
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):  # nan passes every bound below
+            what = "holds a number that is not finite" if len(numbers) > 1 else "is not a finite number"
+            raise ValueError(f"{where}{name}={value!r} {what}; give a finite number such as the default, "
+                             f"{name}={_default(kind, name)!r}")
         least, note = AT_LEAST.get(name, (None, ""))
         if least is not None and value is not None and value < least:
             raise ValueError(f"{where}{name}={value!r} must be at least {least}" + (f" ({note})" if note else ""))

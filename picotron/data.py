@@ -152,31 +152,49 @@ def arithmetic_digit_accuracy(logits_fn: Callable[[torch.Tensor], torch.Tensor],
 def load_text(path: str | Path) -> str:
     """Text of a .txt file, a .jsonl file ("text" field of each line) or a folder of them
     (sorted by path, searched recursively). Documents are joined by "\\n"."""
+    return "\n".join(_read_utf8(file) if file.suffix == ".txt" else "\n".join(_jsonl_texts(file))
+                     for file in dataset_files(path))
+
+
+def dataset_files(path: str | Path) -> list[Path]:
+    """The files `load_text` reads for `path`: the file itself, or a folder's .txt and .jsonl files (sorted,
+    searched recursively). FileNotFoundError or ValueError naming the fix if there are none; cheap (nothing is
+    read), so `python -m picotron.train` checks --dataset with it before any rank starts."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset path {path} does not exist; give a .txt or .jsonl file, "
-                                f"a folder of them, or dataset='arithmetic'")
+                                f"a folder of them, or dataset='arithmetic' (--dataset arithmetic: the built-in sums)")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
         if not files:
-            raise ValueError(f"folder {path} holds no .txt or .jsonl files")
-        return "\n".join(load_text(p) for p in files)
-    if path.suffix == ".txt":
+            raise ValueError(f"folder {path} holds no .txt or .jsonl files; put the corpus there as .txt files or "
+                             f".jsonl files of {{\"text\": \"...\"}} lines")
+        return files
+    if path.suffix not in (".txt", ".jsonl"):
+        raise ValueError(f"{path} has extension {path.suffix!r}; picotron reads .txt and .jsonl files")
+    return [path]
+
+
+def _read_utf8(path: Path) -> str:
+    """The text of a file, with an error naming the file and the byte if it is not UTF-8."""
+    try:
         return path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        return "\n".join(_jsonl_texts(path))
-    raise ValueError(f"{path} has extension {path.suffix!r}; picotron reads .txt and .jsonl files")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); "
+                         f"convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def _jsonl_texts(path: Path) -> list[str]:
+    """The "text" field of every line of a .jsonl file; a line that is not such an object names its number."""
     texts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(_read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path} line {number} is not valid JSON: {error}") from None
+            raise ValueError(f"{path} line {number} is not valid JSON ({error.msg} at column {error.colno}); "
+                             f"each line must be one JSON object such as {{\"text\": \"...\"}}") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ValueError(f"{path} line {number} has no string 'text' field; "
                              f"each line must look like {{\"text\": \"...\"}}")
@@ -300,9 +318,13 @@ class DataLoader:
         if not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
         if dp_size * micro_batch_size > len(dataset):
+            fits = len(dataset) // dp_size
+            smaller = (f"micro_batch_size at most {fits} (--micro-batch-size)" if fits else
+                       f"dp_size at most {len(dataset)} (--dp)")
             raise ValueError(f"a global micro-batch of dp_size * micro_batch_size = {dp_size} * "
-                             f"{micro_batch_size} windows, but the dataset has only {len(dataset)}; "
-                             f"use more text, a smaller seq_len or a smaller batch")
+                             f"{micro_batch_size} windows, but the dataset has only {len(dataset)} windows of "
+                             f"seq_len = {dataset.seq_len} tokens; use more text, a smaller seq_len "
+                             f"(--seq-len) or {smaller}")
         self.dataset, self.micro_batch_size, self.seed = dataset, micro_batch_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cp_rank, self.cp_size, self.zigzag = cp_rank, cp_size, zigzag
@@ -332,12 +354,20 @@ def build_dataset(train_config: TrainConfig) -> TokenDataset:
         text = load_text(train_config.dataset)
     if train_config.tokenizer:
         path = tokenize_to_cache(text, train_config.tokenizer, train_config.cache_dir or DEFAULT_CACHE)
-        return TokenDataset(read_token_file(path), train_config.seq_len)
-    data = bytearray(text.encode("utf-8"))
-    # uint8: one byte a token, 8x less than long; frombuffer wraps the bytes without a copy
-    # (torch.tensor(data) takes 0.1 s a MB) but refuses an empty buffer.
-    tokens = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return TokenDataset(tokens, train_config.seq_len)
+        tokens = read_token_file(path)
+    else:
+        data = bytearray(text.encode("utf-8"))
+        # uint8: one byte a token, 8x less than long; frombuffer wraps the bytes without a copy
+        # (torch.tensor(data) takes 0.1 s a MB) but refuses an empty buffer.
+        tokens = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    seq_len = train_config.seq_len
+    if seq_len >= 1 and len(tokens) < seq_len + 1:   # TokenDataset would say so too, without naming the dataset
+        what = f"tokenized by {train_config.tokenizer}" if train_config.tokenizer else "bytes"
+        smaller = f" or seq_len at most {len(tokens) - 1}" if len(tokens) > 1 else ""
+        raise ValueError(f"dataset {train_config.dataset} holds {len(tokens)} tokens ({what}): too short for one "
+                         f"window of seq_len + 1 = {seq_len + 1} tokens; use more text (--dataset){smaller} "
+                         f"(--seq-len)")
+    return TokenDataset(tokens, seq_len)
 
 
 # ---- a real tokenizer: tokenized once, memory-mapped after -------------------------------------
@@ -347,7 +377,11 @@ DEFAULT_CACHE = Path.home() / ".cache" / "picotron"
 
 def load_tokenizer(path: str | Path):
     """A Hugging Face `tokenizers.Tokenizer` from its tokenizer.json, with a clear error if it cannot be read."""
-    from tokenizers import Tokenizer      # the `tokenizers` library: only runs that ask for a tokenizer load it
+    try:
+        from tokenizers import Tokenizer  # the `tokenizers` library: only runs that ask for a tokenizer load it
+    except ImportError:
+        raise ImportError("reading a tokenizer.json needs the `tokenizers` library, a dependency of picotron: "
+                          "pip install tokenizers (or reinstall picotron)") from None
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {path} does not exist; give the path of a Hugging Face tokenizer.json "

@@ -27,6 +27,9 @@ from picotron.model import Llama
 _REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
              "attention_dropout": 0.0, "partial_rotary_factor": 1.0}
 
+# Keys config_from_hf cannot do without (the others have transformers' defaults).
+_NEEDED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
 # Hugging Face name pieces -> picotron's; applied in order to every tensor name.
 _RENAMES = [("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model.layers.", "layers."),
             (".self_attn.", ".attn."), (".input_layernorm.", ".attn_norm."),
@@ -35,9 +38,13 @@ _RENAMES = [("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model
 
 def config_from_hf(folder_or_dict: str | Path | dict) -> ModelConfig:
     """A ModelConfig from a Hugging Face Llama config.json (a folder holding it, or its dict)."""
-    hf = folder_or_dict if isinstance(folder_or_dict, dict) else _read_json(Path(folder_or_dict) / "config.json")
+    hf = folder_or_dict if isinstance(folder_or_dict, dict) else _read_json(_folder(folder_or_dict) / "config.json")
     if hf.get("model_type") != "llama":
         raise ValueError(f"model_type={hf.get('model_type')!r}: picotron loads only 'llama' checkpoints")
+    missing = [key for key in _NEEDED if key not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}: it is not a complete Llama config; use the "
+                         f"config.json saved with the checkpoint (save_pretrained writes it)")
     for key, wanted in _REQUIRED.items():
         if key in hf and hf[key] != wanted:
             raise ValueError(f"config.json has {key}={hf[key]!r} but picotron's Llama supports only "
@@ -98,7 +105,7 @@ def hf_name_to_picotron(name: str) -> str:
 
 def load_hf_llama(folder: str | Path) -> Llama:
     """Build a fp32 Llama from a Hugging Face checkpoint folder, checking every tensor name and shape."""
-    folder = Path(folder)
+    folder = _folder(folder)
     model = Llama(config_from_hf(folder))
     tensors = {hf_name_to_picotron(name): t for name, t in _read_safetensors(folder).items()
                if not name.endswith("rotary_emb.inv_freq")}       # old checkpoints saved this table
@@ -141,7 +148,24 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _folder(folder: str | Path) -> Path:
+    """`folder` as a Path, with FileNotFoundError naming the fix unless it is a folder holding config.json."""
+    folder = Path(folder)
+    what = ("is a file" if folder.is_file() else "does not exist" if not folder.exists() else
+            "has no config.json" if not (folder / "config.json").is_file() else "")
+    if what:
+        raise FileNotFoundError(f"{folder} {what}: point to a Hugging Face checkpoint folder, the one holding "
+                                f"config.json and model.safetensors (e.g. what huggingface_hub.snapshot_download "
+                                f"returns)")
+    return folder
+
+
 def _read_json(path: Path) -> dict:
+    """A JSON file of the checkpoint; FileNotFoundError or ValueError naming the file if it cannot be read."""
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: point to a Hugging Face checkpoint folder")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
+                         f"download it again") from None

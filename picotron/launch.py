@@ -30,11 +30,14 @@ What the caller can rely on:
 - each rank's stdout and stderr come back to the caller, line by line, as "[rank r] ...";
 - the return value is the list of per-rank results (moved to the CPU);
 - when a rank raises, every rank is stopped and the caller gets the same exception type,
-  with the rank and its traceback in the message; a rank that dies without raising (a crash
+  with the rank and its traceback in the message (and apart, as its attributes `rank`,
+  `rank_message` and `rank_traceback`); a rank that dies without raising (a crash
   in native code, os._exit, out of memory) is reported with its exit code, ahead of the
   connection errors it causes on the ranks that were waiting for it;
 - after `timeout` seconds every rank is killed and a TimeoutError names the ranks that had
-  not finished; no rank outlives the call, and the rank server dies with the caller.
+  not finished; no rank outlives the call, and the rank server dies with the caller;
+- arguments that cannot work (fn not callable, world_size < 1, a timeout that is not a
+  positive number of seconds, an unknown backend) are refused before any rank starts.
 
 Under `torchrun` (RANK and WORLD_SIZE set) `run` calls `fn` in the current process and
 all-gathers the results, so the same notebook code works on a real cluster.
@@ -44,6 +47,8 @@ from __future__ import annotations
 
 import atexit
 import linecache
+import math
+import numbers
 import os
 import pickle
 import re
@@ -87,20 +92,52 @@ def _gpu_count() -> int:
 
 def run(fn: Callable, world_size: int, *, args: tuple = (), kwargs: dict | None = None,
         timeout: float = 180, seed: int = 0, backend: str = "auto") -> list:
-    """Call `fn(*args, **kwargs)` on `world_size` ranks and return the per-rank results."""
-    kwargs = kwargs or {}
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a whole number of ranks, at least 1")
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend={backend!r}; choose 'auto', 'gloo' or 'nccl'")
+    """Call `fn(*args, **kwargs)` on `world_size` ranks and return the per-rank results.
+
+    Arguments that cannot work are refused here, before any rank starts (see `_check_arguments`).
+    When a rank raises, the exception the caller gets also carries the rank's own account of it:
+    `.rank` (its number), `.rank_message` (its message, alone) and `.rank_traceback` (its traceback).
+    """
+    kwargs = {} if kwargs is None else kwargs
+    _check_arguments(fn, world_size, args, kwargs, timeout, seed, backend)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_in_place(fn, world_size, args, kwargs, seed, backend)
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; "
                            "call run() from a process that has none (or under torchrun)")
+    if not hasattr(os, "fork"):
+        raise RuntimeError("run() starts the ranks by forking them from a helper process, and this Python has no "
+                           "os.fork (Windows): run the course in WSL (Ubuntu), where it works as on Linux")
     backend = _choose_backend(backend, world_size)
     with _launch_lock:
         return _Launch(fn, world_size, args, kwargs, timeout, seed, backend).go()
+
+
+def _check_arguments(fn, world_size, args, kwargs, timeout, seed, backend) -> None:
+    """Raise TypeError or ValueError, naming the argument and what to pass, for arguments `run` cannot use."""
+    if not callable(fn):
+        raise TypeError(f"run(fn, world_size): fn={_shown(fn)} ({type(fn).__name__}) is not callable; pass the "
+                        f"function every rank calls, by its name without parentheses (run(step, 4) after "
+                        f"`def step(): ...`), and its arguments with args=(...)")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a whole number of ranks, at least 1")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args={_shown(args)} must be a tuple of fn's positional arguments (args=(x,) for one)")
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs={_shown(kwargs)} must be a dict of fn's keyword arguments (kwargs={{'steps': 10}})")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds: how long the ranks may run "
+                         f"before every rank is killed (default 180)")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed={seed!r} must be a whole number (every rank seeds its generators with it)")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}; choose 'auto', 'gloo' or 'nccl'")
+
+
+def _shown(value) -> str:
+    """repr(value), cut to a length that fits in a message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _choose_backend(backend: str, world_size: int) -> str:
@@ -409,13 +446,20 @@ def _cell_sources() -> dict:
 
 
 def _rebuild(info: dict) -> BaseException:
-    """The caller gets the rank's exception type, with the rank and its traceback in the message."""
+    """The caller gets the rank's exception type, with the rank and its traceback in the message, and
+    the same pieces apart as attributes (`rank`, `rank_message`, `rank_traceback`) for whoever shows
+    the error in fewer words (`python -m picotron.train` prints one line)."""
     message = f"rank {info['rank']} raised {info['type'].__name__}: {info['message']}\n\n" \
               f"--- traceback of rank {info['rank']} ---\n{info['traceback']}"
     try:
-        return info["type"](message)
+        error = info["type"](message)
     except Exception:  # noqa: BLE001 - some exception types need other constructor arguments
-        return RankError(message)
+        error = RankError(message)
+    try:
+        error.rank, error.rank_message, error.rank_traceback = info["rank"], info["message"], info["traceback"]
+    except AttributeError:  # an exception type with __slots__: the message still says it all
+        pass
+    return error
 
 
 # ---- the caller's handle on its rank server (picotron/rank_server.py) ---------------------------

@@ -49,11 +49,18 @@ ranks, tokens travelling to their experts by all-to-all, while --tp splits the a
 (chapter 07). The combinations that do not go together are refused by
 picotron.layout.check_combination, with the reason and the fix.
 
-Bad input stops the command before any rank starts, with one line naming the problem and the
-fix and no traceback (exit status 2, as argparse's own errors): a value of the wrong type or
-range (--seq-len 0, "dp": "2" in a JSON config), a config file that cannot be read or parsed,
-a combination of axes that does not go together, a --log-file or --save-dir that cannot be
-written. --steps 0 trains nothing; with --save-dir it saves the initial state as step_000000.
+Every error ends the command with one line on stderr, "python -m picotron.train: error: ..."
+naming the problem and the fix, and no traceback (--traceback shows the whole traceback instead,
+a rank's included). Bad input stops the command before any rank starts, with exit status 2 as
+argparse's own errors: a value of the wrong type or range (--seq-len 0, --lr nan, "dp": "2" in
+a JSON config), a config file that cannot be read or parsed, a combination of axes that does
+not go together, a --log-file or --save-dir that cannot be written, a --dataset, --tokenizer
+or --resume path that holds no such thing (or a checkpoint of another model), --backend nccl
+without a GPU for every rank. An error met while training, in this process or on a rank (a
+dataset too short for one batch, a malformed .jsonl line), exits with status 1: the same line
+(a rank's own message, after the rank's number) and a second one saying to rerun with
+--traceback to see where it was raised. Ctrl-C stops quietly (status 130).
+--steps 0 trains nothing; with --save-dir it saves the initial state as step_000000.
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ from picotron import checkpoint, comm, launch
 from picotron.config import (FP8_RECIPES, LOSS_IMPLS, PRECISIONS, PRESETS, Config, ModelConfig, ParallelConfig,
                              TrainConfig)
 from picotron.costs import flops_per_token, peak_flops, training_flops_per_token
-from picotron.data import arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, make_loader
+from picotron.data import (arithmetic_accuracy, arithmetic_digit_accuracy, arithmetic_eval_problems, dataset_files,
+                           make_loader)
 from picotron.layout import validate
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
@@ -92,6 +100,7 @@ from picotron.parallel.data_parallel import DataParallel, all_reduce_gradients
 from picotron.parallel.pipeline_schedules import SCHEDULES, make_schedule
 from picotron.parallel.zero import ZeroOptimizer
 from picotron.parallel.zero3 import Zero3
+from picotron.rank_server import RankError
 
 
 def lr_at(step: int, config) -> float:
@@ -522,32 +531,34 @@ def train(config: Config, *, progress: bool = True) -> dict:
     log = open(t.log_file, "a") if is_logger and t.log_file else None
     bar = tqdm(range(start, t.steps), disable=not (progress and is_logger), file=sys.stdout,
                mininterval=1.0, ncols=100)
-    for step in bar:
-        result = trainer.train_step(step)
-        figures = rate.of(result)
-        history["loss"].append(result.loss)
-        compiling = t.compile and step == start   # the first step traces and compiles the layers
-        if compiling:
-            history["compile_s"] = result.seconds
-        else:
-            for key in ("tokens_per_s", "mfu", "hfu", "sync_s"):
-                history[key].append(figures[key])
-        bar.set_postfix(loss=f"{result.loss:.3f}", refresh=False)
+    try:   # closed on an error too: the bar's line ends before the error is printed
+        for step in bar:
+            result = trainer.train_step(step)
+            figures = rate.of(result)
+            history["loss"].append(result.loss)
+            compiling = t.compile and step == start   # the first step traces and compiles the layers
+            if compiling:
+                history["compile_s"] = result.seconds
+            else:
+                for key in ("tokens_per_s", "mfu", "hfu", "sync_s"):
+                    history[key].append(figures[key])
+            bar.set_postfix(loss=f"{result.loss:.3f}", refresh=False)
+            if log:
+                log.write(json.dumps({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                                      **figures}) + "\n")
+                log.flush()
+            last = step == t.steps - 1
+            if is_logger and (step % t.log_every == 0 or last):
+                speed = (f"compiling: {result.seconds:.1f} s (this first step; not in the speed figures)" if compiling
+                         else rate.text(figures))
+                bar.write(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  {speed}")
+            if t.save_dir and (last or (t.save_every and (step + 1) % t.save_every == 0)):
+                # A new directory per checkpoint: overwriting one in place is not atomic. Every rank writes its part.
+                checkpoint.save(trainer, os.path.join(t.save_dir, f"step_{step + 1:06d}"), step + 1)
+    finally:
+        bar.close()
         if log:
-            log.write(json.dumps({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                                  **figures}) + "\n")
-            log.flush()
-        last = step == t.steps - 1
-        if is_logger and (step % t.log_every == 0 or last):
-            speed = (f"compiling: {result.seconds:.1f} s (this first step; not in the speed figures)" if compiling
-                     else rate.text(figures))
-            bar.write(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  {speed}")
-        if t.save_dir and (last or (t.save_every and (step + 1) % t.save_every == 0)):
-            # A new directory per checkpoint: overwriting one in place is not atomic. Every rank writes its part.
-            checkpoint.save(trainer, os.path.join(t.save_dir, f"step_{step + 1:06d}"), step + 1)
-    bar.close()
-    if log:
-        log.close()
+            log.close()
     history["accuracy"] = trainer.accuracy()
     if is_logger and history["accuracy"]:
         print(f"held-out sums (pairs never seen in training): {history['accuracy']['exact']:.1%} answered exactly "
@@ -618,13 +629,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-every", dest="save_every", type=int,
                         help="steps between checkpoints (default: only after the last step)")
     parser.add_argument("--resume", help="a checkpoint directory to continue from, saved with any layout")
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an error, show the whole traceback (a rank's included) instead of one line")
     return parser
 
 
 def parse_args(argv: list[str] | None) -> Config:
     """The configuration a command line asks for: the --config file (or 4-rank defaults), then each flag."""
-    args = _parser().parse_args(argv)
+    return _config_of(_parser().parse_args(argv))
 
+
+def _config_of(args: argparse.Namespace) -> Config:
+    """The configuration of parsed arguments: the --config file (or 4-rank defaults), then each flag."""
     config = Config.from_json(args.config) if args.config else Config(parallel=ParallelConfig(dp=4))
     if args.preset:
         config.model = ModelConfig.preset(args.preset)
@@ -641,13 +657,54 @@ def parse_args(argv: list[str] | None) -> Config:
     return config
 
 
+def check_inputs(config: Config, ranks_here: int) -> None:
+    """Raise ValueError or FileNotFoundError naming the fix for what the run would read and cannot: a --dataset
+    path with no text files, a --resume directory that holds no checkpoint of this model, a --backend nccl
+    with fewer GPUs than the `ranks_here` ranks on this machine. Cheap (nothing is trained or tokenized):
+    `main` runs it before any rank starts. (validate reads --tokenizer.)"""
+    t = config.train
+    if t.dataset != "arithmetic":
+        dataset_files(t.dataset)
+    if t.resume:
+        checkpoint.check_checkpoint(t.resume, config.model)
+    if t.backend == "nccl" and launch.backend_for(ranks_here) != "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        why = "this torch is a CPU build" if not torch.backends.cuda.is_built() else f"{gpus} GPU(s) are visible"
+        raise ValueError(f"backend='nccl' (--backend nccl) needs one GPU per rank, {ranks_here} here, but {why}; "
+                         f"use --backend gloo (or auto) to run the ranks as CPU processes, or run on a machine "
+                         f"with {ranks_here} GPU{'s' if ranks_here != 1 else ''}")
+
+
+PROG = "python -m picotron.train"
+# The types whose message says what is wrong by itself (picotron raises them naming the fix); any other
+# type is named in the one line, so that a bug reads as one ("KeyError: 'x'", not "'x'").
+_SELF_EXPLAINED = (ValueError, NotImplementedError, FileNotFoundError, TimeoutError, RankError)
+
+
+def error_line(error: BaseException) -> str:
+    """One line for an error: its message (a rank's own, after the rank it came from, without the
+    traceback that picotron.launch adds), its first line only, and its type where the message alone would
+    not say what went wrong."""
+    message = getattr(error, "rank_message", None)
+    message = str(error) if message is None else message
+    lines = [line for line in message.splitlines() if line.strip()]
+    text = lines[0].strip() if lines else ""
+    if not isinstance(error, _SELF_EXPLAINED) or not text:
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    rank = getattr(error, "rank", None)
+    return f"rank {rank}: {text}" if rank is not None else text
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Train with the command line's config: in place for one rank or under torchrun, else on ranks from picotron.launch.
 
-    Bad input (see the module docstring) exits with status 2 and one line on stderr, before any rank starts.
+    Errors (see the module docstring) print one line on stderr: bad input exits with status 2 before any
+    rank starts; an error while training (here or on a rank) exits with status 1, with a hint to rerun with
+    --traceback, which shows the whole traceback instead. Ctrl-C stops quietly (status 130).
     """
+    args = _parser().parse_args(argv)     # argparse prints its own errors (status 2)
     try:
-        config = parse_args(argv)
+        config = _config_of(args)
         validate(config)
         torchrun_world = int(os.environ.get("WORLD_SIZE", "0"))   # set by torchrun for every process it starts
         if torchrun_world and torchrun_world != config.parallel.world_size and not dist.is_initialized():
@@ -658,9 +715,30 @@ def main(argv: list[str] | None = None) -> dict:
                              f"{p.world_size} processes")
         # Only global rank 0 writes the log (under torchrun RANK is set; otherwise this process starts the ranks).
         check_outputs(config.train, log_file=int(os.environ.get("RANK", "0")) == 0)
-    except (ValueError, NotImplementedError) as error:
-        print(f"python -m picotron.train: error: {error}", file=sys.stderr)
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if torchrun_world else config.parallel.world_size
+        check_inputs(config, ranks_here or config.parallel.world_size)
+    except (ValueError, NotImplementedError, OSError, ImportError) as error:
+        if args.traceback:
+            raise
+        print(f"{PROG}: error: {error_line(error)}", file=sys.stderr)
         raise SystemExit(2) from None
+    try:
+        return _run(config)
+    except KeyboardInterrupt:   # Ctrl-C: the ranks are stopped already (picotron.launch); nothing to explain
+        if args.traceback:
+            raise
+        raise SystemExit(130) from None
+    except Exception as error:  # noqa: BLE001 - every error while training ends on one line (or --traceback)
+        if args.traceback:
+            raise
+        sys.stdout.flush()
+        print(f"{PROG}: error: {error_line(error)}\n{PROG}: rerun with --traceback to see where it was raised",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _run(config: Config) -> dict:
+    """Train: in this process for one rank or under torchrun, else on ranks started by picotron.launch."""
     world = config.parallel.world_size
     progress = sys.stdout.isatty()  # a progress bar in a terminal; plain log lines in a file or CI log
     if world == 1 and not dist.is_initialized():

@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 from picotron_course import exercises
 
@@ -37,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     grade.add_argument("--root", help="the course checkout holding exercises/ (default: this package's checkout)")
     grade.add_argument("--out", default="grades.csv",
                        help="with a folder: the CSV of results (default grades.csv); answers.csv goes beside it")
-    grade.add_argument("--cell-timeout", type=float, default=300, help="seconds per cell (default 300)")
-    grade.add_argument("--timeout-per-notebook", type=float, default=None,
+    grade.add_argument("--cell-timeout", type=_seconds("--cell-timeout 300"), default=300,
+                       help="seconds per cell (default 300)")
+    grade.add_argument("--timeout-per-notebook", default=None,
+                       type=_seconds("--timeout-per-notebook 600, or leave the flag out for no limit"),
                        help="seconds a notebook may run before its kernel is killed (default: no limit)")
     commands.add_parser("site", help="execute the chapters and build the HTML course (site --help: its options)")
     argv = sys.argv[1:] if argv is None else argv
@@ -47,16 +51,24 @@ def main(argv: list[str] | None = None) -> int:
         return course_site.main(argv[1:])
     args = parser.parse_args(argv)
 
+    if args.command in ("generate", "check") and not (Path(args.root) / exercises.SOLUTIONS).is_dir():
+        print(f"no {exercises.SOLUTIONS}/ folder under {Path(args.root).resolve()}; run from the repository root "
+              f"or pass --root")   # before generate creates exercises/ there
+        return 2
     if args.command == "generate":
         try:
             changed = exercises.generate(args.root, only=args.notebooks or None)
-        except ValueError as e:
+        except (ValueError, OSError) as e:   # an unknown assignment, a solution marker out of place, a file
             print(e)
             return 2
         print("\n".join(f"wrote {path}" for path in changed) or "exercises/ is up to date")
         return 0
     if args.command == "check":
-        problems = exercises.stale(args.root)
+        try:
+            problems = exercises.stale(args.root)
+        except (ValueError, OSError) as e:
+            print(e)
+            return 2
         if problems:
             print("exercises/ is out of date; run `python -m picotron_course generate`:")
             print("\n".join(f"  {problem}" for problem in problems))
@@ -68,6 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "grade":
         return _grade(args)
     return 2
+
+
+def _seconds(example: str) -> Callable[[str], float]:
+    """An argparse type: a positive, finite number of seconds, else an error (argparse names the flag) saying
+    what to give, e.g. `example`. A timeout of 0 or less would stop every notebook at once: all "timeout"."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds; give one, e.g. {example}")
+        return value
+    return parse
 
 
 def _grade(args: argparse.Namespace) -> int:
@@ -97,6 +123,13 @@ def _strip(paths: list[str], check_only: bool) -> int:
     if missing:
         print("no such notebook: " + ", ".join(missing))
         return 2
+    for path in paths:   # every file read before any is written
+        try:
+            exercises.strip_outputs(path, write=False)
+        except Exception as e:  # noqa: BLE001 - nbformat raises many types for a file that is not a notebook
+            said = (str(e).strip().splitlines() or [""])[0][:100]
+            print(f"cannot read {path} as a notebook ({type(e).__name__}: {said}); is it the .ipynb file?")
+            return 2
     dirty = [path for path in paths if exercises.strip_outputs(path, write=not check_only)]
     verb = "has outputs or session metadata:" if check_only else "stripped"
     print("\n".join(f"{verb} {path}" for path in dirty) or "all clean")

@@ -48,6 +48,9 @@ from picotron.kernels.runtime import INTERPRETED, kernel_device   # decides inte
 __all__ = ["check_softmax_kernel", "check_rmsnorm_kernel", "check_online_softmax_kernel", "SOFTMAX_CASES",
            "RMSNORM_CASES", "ONLINE_SOFTMAX_CASES", "launch"]
 
+REQUIRES = ("triton",)   # the grader refuses to grade assignment 09 where these are not installed
+REQUIRES_WHY = "it is built for Linux only: use Linux or WSL"
+
 SENTINEL = -4096.0   # exact in bf16 too; fills the output buffer around the rows: any change is a store out of place
 # Elements of spare memory after every tensor a kernel gets. The interpreter does not check addresses:
 # a wrong stride would write into whatever lies after the tensor and can crash the process. With this

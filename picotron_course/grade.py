@@ -56,7 +56,9 @@ import ast
 import copy
 import csv
 import importlib
+import importlib.util
 import inspect
+import math
 import os
 import re
 import secrets
@@ -74,8 +76,8 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from picotron_course.exercises import EXERCISES, MD_STUB, SOLUTIONS, check_name, is_check_cell
 
 __all__ = ["GradeError", "CourseChanged", "Check", "Question", "Assignment", "CheckResult", "Answer", "Graded",
-           "RESULTS", "course_root", "assignment_of", "load_assignment", "grade", "grade_notebook", "grade_folder",
-           "find_submissions", "class_summary", "score_table"]
+           "RESULTS", "course_root", "assignment_of", "load_assignment", "check_timeouts", "grade", "grade_notebook",
+           "grade_folder", "find_submissions", "class_summary", "score_table"]
 
 RESULTS = ("passed", "wrong answer", "not done", "error", "missing", "edited", "rebound", "timeout")
 _SHOWN = {"missing": "missing (check cell deleted)", "edited": "edited (check cell changed)",
@@ -168,7 +170,7 @@ def load_assignment(root: str | Path, name: str) -> Assignment:
             checks.append(Check(i + 1, check, cell.source, imported[check]))
     fingerprints, files, dirs = {}, {}, []
     for module_name in sorted({check.module for check in checks}):
-        _import_course_module(module_name, Path(root), path)
+        _missing_requirements(name, _import_course_module(module_name, Path(root), path))
         fingerprints[module_name] = _fingerprints(module_name)
         for reached in fingerprints[module_name]:
             files[reached] = os.path.realpath(sys.modules[reached].__file__)
@@ -208,6 +210,20 @@ def _import_course_module(name: str, root: Path, exercise: Path):
                          "install the course (pip install -e .) or pass --root") from None
     finally:
         sys.path.remove(str(root.resolve()))
+
+
+def _missing_requirements(assignment: str, module) -> None:
+    """Refuse to grade where a package the checks run on is missing (a check module's REQUIRES): every check
+    of the assignment would fail on the grader's machine, not on the learners' answers."""
+    for package in getattr(module, "REQUIRES", ()):
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except ImportError:
+            found = False
+        if not found:
+            raise GradeError(f"assignment {assignment} runs on {package}, which is not installed here "
+                             f"({module.__name__}.REQUIRES: {getattr(module, 'REQUIRES_WHY', '')}); grade it where "
+                             f"{package} is")
 
 
 def _wrong_answer_names(files: dict[str, str]) -> frozenset[str]:
@@ -395,9 +411,22 @@ class Graded:
         return sum(r.passed for r in self.checks), len(self.checks)
 
 
+def check_timeouts(cell_timeout: float, notebook_timeout: float | None) -> None:
+    """Raise GradeError unless each limit is a positive number of seconds (notebook_timeout may be None: no
+    limit). A limit of 0 or less would stop every notebook at its first cell and score every check "timeout"."""
+    for name, flag, value in (("cell_timeout", "--cell-timeout", cell_timeout),
+                              ("notebook_timeout", "--timeout-per-notebook", notebook_timeout)):
+        if value is None and name == "notebook_timeout":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise GradeError(f"{name}={value!r} ({flag}) must be a positive number of seconds, e.g. 300"
+                             + (", or None for no limit" if name == "notebook_timeout" else ""))
+
+
 def grade(path: str | Path, assignment: str | None = None, root: str | Path | None = None, cell_timeout: float = 300,
           notebook_timeout: float | None = None, kernel_name: str = "python3") -> Graded:
     """Grade one notebook against the course at `root` (default: this checkout)."""
+    check_timeouts(cell_timeout, notebook_timeout)
     root = Path(root) if root else course_root()
     expected = load_assignment(root, assignment_of(path, root, assignment))
     return grade_notebook(path, expected, cell_timeout, notebook_timeout, kernel_name)
@@ -694,6 +723,7 @@ def grade_folder(folder: str | Path, out: str | Path, assignment: str | None = N
     Written answers go to a CSV, like the grades: one row per answer, so a spreadsheet sorts them by
     question and a teacher marks all the answers to Q1 together, in a column added beside them.
     """
+    check_timeouts(cell_timeout, notebook_timeout)   # a typo must not score a whole class "timeout"
     root = Path(root) if root else course_root()
     submissions = []
     for student, path in find_submissions(folder):  # every name checked before the first kernel starts

@@ -1,11 +1,14 @@
 """Where triton is missing (it is built for Linux only: macOS, Windows outside WSL), chapter 09 runs its torch parts,
-FlashAttention on the plain-torch path, and says what it skipped; assignment 09 stops at once, saying where to go.
+FlashAttention on the plain-torch path, and says what it skipped; assignment 09 stops at once, saying where to go,
+and the grader refuses to grade it there.
 
 The notebooks run in a kernel that cannot import triton: a sitecustomize on PYTHONPATH puts a finder in front of
 every other that refuses `triton` and its submodules, as a Python without the package does.
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nbclient
@@ -56,3 +59,14 @@ def test_assignment_09_says_where_to_run_it(tmp_path, monkeypatch):
     with pytest.raises(nbclient.exceptions.CellExecutionError,
                        match="This assignment writes Triton kernels, and triton is not installed here"):
         execute_without_triton(ROOT / "exercises" / "09_gpu_kernels.ipynb", tmp_path, monkeypatch)
+
+
+def test_the_grader_refuses_assignment_09_where_triton_is_missing(tmp_path):
+    """Every check would fail on the grader's machine, not on the answers: it says so before any kernel starts."""
+    (tmp_path / "sitecustomize.py").write_text(HIDE_TRITON)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "picotron_course", "grade", "exercises/09_gpu_kernels.ipynb"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "assignment 09_gpu_kernels runs on triton, which is not installed here" in done.stdout
+    assert "grade it where triton is" in done.stdout and "Traceback" not in done.stdout + done.stderr
