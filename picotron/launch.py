@@ -37,7 +37,8 @@ What the caller can rely on:
 - after `timeout` seconds every rank is killed and a TimeoutError names the ranks that had
   not finished; no rank outlives the call, and the rank server dies with the caller;
 - arguments that cannot work (fn not callable, world_size < 1, a timeout that is not a
-  positive number of seconds, an unknown backend) are refused before any rank starts.
+  positive number of seconds, an unknown backend) are refused before any rank starts, and so
+  is a Python without os.fork (native Windows: the course runs in WSL).
 
 Under `torchrun` (RANK and WORLD_SIZE set) `run` calls `fn` in the current process and
 all-gathers the results, so the same notebook code works on a real cluster.
