@@ -61,7 +61,7 @@ def bench_softmax(shapes, dtypes, peak: float) -> list[dict]:
         for n_rows, n_cols in shapes:
             x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype)
             torch.testing.assert_close(row_softmax.softmax(x), torch.softmax(x.float(), -1).to(dtype))
-            moved = row_softmax.softmax_bytes(n_rows, n_cols, x.element_size(), "fused")
+            moved = gpu.softmax_bytes(n_rows, n_cols, x.element_size(), "fused")
             ours, theirs = ms(lambda: row_softmax.softmax(x)), ms(lambda: torch.softmax(x, -1))
             fits = triton_block(n_cols) <= row_softmax.MAX_FUSED_BLOCK
             rows.append({"shape": (n_rows, n_cols), "dtype": str(dtype).removeprefix("torch."),
@@ -79,8 +79,8 @@ def bench_rmsnorm(shapes, dtypes, peak: float) -> list[dict]:
             norm = RMSNorm(n_cols, 1e-5).to(device="cuda", dtype=dtype)
             triton_norm = rmsnorm.TritonRMSNorm(n_cols, 1e-5).to(device="cuda", dtype=dtype)
             w = triton_norm.weight
-            forward = rmsnorm.rmsnorm_bytes(n_rows, n_cols, x.element_size())
-            backward = rmsnorm.rmsnorm_bytes(n_rows, n_cols, x.element_size(), backward=True)
+            forward = gpu.rmsnorm_bytes(n_rows, n_cols, x.element_size())
+            backward = gpu.rmsnorm_bytes(n_rows, n_cols, x.element_size(), backward=True)
             with torch.no_grad():
                 t_fwd = ms(lambda: triton_norm(x))
                 t_eager = ms(lambda: norm(x))
@@ -111,7 +111,7 @@ def bench_attention(cases, backward: bool) -> list[dict]:
         out = attention.flash_attention(q, k, v, causal=causal)
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-        flops = attention.attention_flops(batch, heads, seq, seq, head_dim, causal)
+        flops = gpu.attention_flops(batch, heads, seq, seq, head_dim, causal)
         with torch.no_grad():
             torch.testing.assert_close(attention.attention_forward_v2(q, k, v, causal)[0], ref, atol=2e-2, rtol=2e-2)
             t_ours = ms(lambda: attention.attention_forward_v1(q, k, v, causal))
@@ -130,7 +130,7 @@ def bench_attention(cases, backward: bool) -> list[dict]:
             t_bwd_sdpa = ms(lambda: torch.autograd.grad(ref, (q, k, v), do, retain_graph=True))
             out2 = attention.flash_attention(q, k, v, causal=causal, version=2)
             t_bwd2 = ms(lambda: torch.autograd.grad(out2, (q, k, v), do, retain_graph=True))
-            flops_bwd = attention.attention_flops(batch, heads, seq, seq, head_dim, causal, backward=True)
+            flops_bwd = gpu.attention_flops(batch, heads, seq, seq, head_dim, causal, backward=True)
             row.update({"bwd TFLOP/s": flops_bwd / t_bwd / 1e9, "SDPA bwd TFLOP/s": flops_bwd / t_bwd_sdpa / 1e9,
                         "bwd vs SDPA": t_bwd_sdpa / t_bwd, "v2 bwd vs SDPA": t_bwd_sdpa / t_bwd2})
         rows.append(row)

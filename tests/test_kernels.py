@@ -183,7 +183,7 @@ def test_wrong_device_is_explained(monkeypatch):
 
 # ---- softmax --------------------------------------------------------------------------------------
 SOFTMAX_VERSIONS = [row_softmax.softmax_v1, row_softmax.softmax_v2, row_softmax.softmax_v3,
-                    lambda x: row_softmax.softmax_v3(x, block=32), row_softmax.softmax_unfused]
+                    lambda x: row_softmax.softmax_v3(x, block=32), gpu.softmax_unfused]
 
 
 @pytest.mark.parametrize("version", SOFTMAX_VERSIONS, ids=["v1", "v2", "v3", "v3_blocks_of_32", "unfused"])
@@ -226,10 +226,10 @@ def test_softmax_chooses_the_online_version_for_long_rows(monkeypatch):
 
 def test_softmax_bytes_match_the_counted_traffic():
     x = torch.randn(16, 48)
-    _, ops = gpu.count_traffic(row_softmax.softmax_unfused, x)
+    _, ops = gpu.count_traffic(gpu.softmax_unfused, x)
     assert [op.name for op in ops] == ["amax", "sub", "exp", "sum", "div"]
-    assert sum(op.bytes_read + op.bytes_written for op in ops) == row_softmax.softmax_bytes(16, 48, 4, "unfused")
-    assert row_softmax.softmax_bytes(16, 48, 4, "fused") * 4 < row_softmax.softmax_bytes(16, 48, 4, "unfused")
+    assert sum(op.bytes_read + op.bytes_written for op in ops) == gpu.softmax_bytes(16, 48, 4, "unfused")
+    assert gpu.softmax_bytes(16, 48, 4, "fused") * 4 < gpu.softmax_bytes(16, 48, 4, "unfused")
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------
@@ -376,8 +376,8 @@ def test_a_model_with_triton_norms_trains_like_the_torch_one():
 
 
 def test_rmsnorm_bytes():
-    assert rmsnorm.rmsnorm_bytes(8, 16, 2) == 2 * 8 * 16 * 2 + 16 * 2 + 4 * 8
-    assert rmsnorm.rmsnorm_bytes(8, 16, 2, backward=True) == 3 * 8 * 16 * 2 + 16 * 2 + 4 * 8
+    assert gpu.rmsnorm_bytes(8, 16, 2) == 2 * 8 * 16 * 2 + 16 * 2 + 4 * 8
+    assert gpu.rmsnorm_bytes(8, 16, 2, backward=True) == 3 * 8 * 16 * 2 + 16 * 2 + 4 * 8
 
 
 # ---- FlashAttention -------------------------------------------------------------------------------
@@ -485,9 +485,9 @@ def test_flash_attention_refuses_bad_shapes():
 
 
 def test_attention_flops():
-    assert attention.attention_flops(1, 1, 8, 8, 4, causal=False) == 4 * 8 * 8 * 4
-    assert attention.attention_flops(2, 3, 8, 8, 4) == 2 * 3 * 4 * 8 * 8 * 4 / 2
-    assert attention.attention_flops(1, 1, 8, 8, 4, backward=True) == 2.5 * 4 * 8 * 8 * 4 / 2
+    assert gpu.attention_flops(1, 1, 8, 8, 4, causal=False) == 4 * 8 * 8 * 4
+    assert gpu.attention_flops(2, 3, 8, 8, 4) == 2 * 3 * 4 * 8 * 8 * 4 / 2
+    assert gpu.attention_flops(1, 1, 8, 8, 4, backward=True) == 2.5 * 4 * 8 * 8 * 4 / 2
 
 
 # ---- the GPU model, the timer -------------------------------------------------------------------------

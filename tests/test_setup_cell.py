@@ -27,7 +27,7 @@ NOTEBOOKS = sorted(ROOT.glob("chapters/*.ipynb")) + sorted(ROOT.glob("solutions/
 def test_every_notebook_runs_the_setup_cell_first(path):
     first = next(c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
     assert first.source == SOURCE and TAG in first.metadata.get("tags", []), \
-        f"{path.relative_to(ROOT)}: the first code cell is not the set-up cell: run `python -m picotron_course generate`"
+        f"{path.relative_to(ROOT)}: its first code cell is not the set-up cell; run python -m picotron_course generate"
 
 
 def test_generate_puts_it_back_and_stale_says_so(tmp_path):

@@ -59,12 +59,11 @@ import triton.language as tl
 
 from picotron.kernels.attention_tma import (attention_backward_dkdv_kernel_v2, attention_backward_dq_kernel_v2,
                                             attention_forward_kernel_v2, attention_forward_kernel_v3)
-from picotron.kernels.gpu import attention_flops  # noqa: F401 - the formula lives with the roofline
 from picotron.kernels.runtime import INTERPRETED, check_device, use_device_descriptors
 
 __all__ = ["attention_forward_kernel_v1", "attention_backward_dkdv_kernel_v1", "attention_backward_dq_kernel_v1",
            "attention_forward_v1", "attention_forward_v2", "attention_forward_v3", "attention_backward_v1",
-           "attention_backward_v2", "VERSIONS", "FlashAttentionFunction", "flash_attention", "attention_flops"]
+           "attention_backward_v2", "VERSIONS", "FlashAttentionFunction", "flash_attention"]
 
 LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e))
 

@@ -37,12 +37,11 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from picotron.kernels.gpu import rmsnorm_bytes  # noqa: F401 - the formula lives with the roofline
 from picotron.kernels.runtime import INTERPRETED, check_device, use_device_descriptors
 
 __all__ = ["rmsnorm_forward_kernel_v1", "rmsnorm_forward_kernel_v2", "rmsnorm_backward_kernel_v1",
            "rmsnorm_backward_kernel_v2", "rmsnorm_forward_v1", "rmsnorm_forward_v2", "rmsnorm_backward_v1",
-           "rmsnorm_backward_v2", "RMSNormFunction", "rmsnorm", "TritonRMSNorm", "rmsnorm_bytes"]
+           "rmsnorm_backward_v2", "RMSNormFunction", "rmsnorm", "TritonRMSNorm"]
 
 
 # ---- forward v1: one row per program ---------------------------------------------------------

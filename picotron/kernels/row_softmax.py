@@ -29,11 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from picotron.kernels.gpu import softmax_bytes, softmax_unfused  # noqa: F401 - the formula lives with the roofline
 from picotron.kernels.runtime import INTERPRETED, check_device
 
 __all__ = ["softmax_kernel_v1", "softmax_kernel_v2", "softmax_kernel_v3", "softmax_v1", "softmax_v2", "softmax_v3",
-           "softmax", "softmax_unfused", "softmax_bytes", "MAX_FUSED_BLOCK"]
+           "softmax", "MAX_FUSED_BLOCK"]
 
 # The longest row v1/v2 hold in one block: 16384 fp32 values are 64 KB of registers spread over a
 # program's 16 warps (128 B per thread), near what an SM can give one program without spilling.

@@ -127,5 +127,6 @@ def gpu_problem(capability: tuple[int, int] = (8, 0), shared_kib: int = 0) -> st
                 f"{capability[0]}.{capability[1]} or newer")
     shared = getattr(props, "shared_memory_per_block_optin", None)
     if shared is not None and shared < shared_kib * 1024:
-        return f"the {props.name} gives a program {shared // 1024} KiB of shared memory; these tiles need {shared_kib} KiB"
+        return (f"the {props.name} gives a program {shared // 1024} KiB of shared memory; these tiles need "
+                f"{shared_kib} KiB")
     return None
