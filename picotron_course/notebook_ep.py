@@ -647,14 +647,14 @@ def draw_step_times(phase_ms: dict, phases: tuple, all_reduce_bytes: dict, batch
 
 
 def draw_limits(ratio, shapes: dict, ep_only: dict, zero1: dict, gpu_gb: float) -> None:
-    """Left: all-to-all time over expert compute, `ratio(f, ep)`, for each {name: f}; right: GB per GPU of
+    """Left: all-to-all time over expert compute, `ratio(h_ff, ep)`, for each {name: h_ff}; right: GB per GPU of
     Mixtral's training state against ep, EP alone ({ep: GB}) and with ZeRO-1 ({ep: GB})."""
     import matplotlib.pyplot as plt
     import numpy as np
     eps = np.array([2, 4, 8, 16, 32, 64])
     fig, (ax_c, ax_m) = plt.subplots(1, 2, figsize=(13, 4.2))
-    for (name, f), colour in zip(shapes.items(), ("C0", "C3")):
-        values = [ratio(f, int(ep)) for ep in eps]
+    for (name, h_ff), colour in zip(shapes.items(), ("C0", "C3")):
+        values = [ratio(h_ff, int(ep)) for ep in eps]
         ax_c.loglog(eps, values, "o-", color=colour, label=name)
         for ep, r in zip(eps, values):
             ax_c.annotate(f"{r:.2f}", (ep, r), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
