@@ -81,10 +81,12 @@ class WrongCollectiveUse(AssertionError):
 
 @dataclass
 class Call:
-    """One collective call: the operation, the payload bytes this rank handed in, the reduction."""
+    """One collective call: the operation, the payload bytes this rank handed in, the reduction, and how many
+    elements the payload held."""
     op: str
     nbytes: int
     reduce: str = ""
+    numel: int = 0
 
 
 # name -> (operation, index of the payload argument, index of the output argument or None)
@@ -121,10 +123,11 @@ def recorded_collectives() -> Iterator[list[Call]]:
             payload = arguments[names[payload_at]]
             tensors = payload if isinstance(payload, (list, tuple)) else [payload]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            numel = sum(t.numel() for t in tensors)
             if output_at is not None:
                 _refuse_misuse(op, arguments[names[output_at]], payload, arguments.get("group"))
             reduce = arguments.get("op", dist.ReduceOp.SUM) if op in ("all_reduce", "reduce", "reduce_scatter") else None
-            calls.append(Call(op, nbytes, _reduce_name(reduce)))
+            calls.append(Call(op, nbytes, _reduce_name(reduce), numel))
             busy[0] = True
             try:
                 return original(*args, **kwargs)
@@ -807,7 +810,7 @@ def check_clip_grad_norm(clip_grad_norm_sharded: Callable) -> None:
                 report.add(not detail, detail, case=case["case"], ranks=str(members),
                            numels=str([b.numel() for b in buffers]), max_norm=max_norm, norm=want_norm,
                            **{"rank's norm": got[0].get("norm", "-"), "collectives": len(calls),
-                              "sent (B)": sum(nbytes for _, nbytes, _ in calls)}, max_err=err)
+                              "sent (B)": sum(nbytes for _, nbytes, *_ in calls)}, max_err=err)
 
 
 def _clip_on_rank(clip: Callable, cases: list) -> list:
@@ -837,7 +840,7 @@ def _clip_on_rank(clip: Callable, cases: list) -> list:
             continue
         out.append({"norm": _as_number(norm), "grads": [None if s.grad is None else s.grad.detach().clone()
                                                         for s in shards],
-                    "calls": [(call.op, call.nbytes, call.reduce) for call in calls]})
+                    "calls": [(call.op, call.nbytes, call.reduce, call.numel) for call in calls]})
     return out
 
 
@@ -890,7 +893,7 @@ def _clip_problem(got: list, buffers: list, max_norm: float, want_norm: float, w
 
 
 def _clip_calls_problem(calls: list) -> str:
-    gathers = [op for op, _, _ in calls if op != "all_reduce"]
+    gathers = [op for op, *_ in calls if op != "all_reduce"]
     if gathers:
         return (f"{', '.join(sorted(set(gathers)))} called: the norm needs one number from each rank, the sum of the "
                 "squares of its shards' real elements; gathering gradients moves the whole buffer to compute it")
@@ -900,10 +903,10 @@ def _clip_calls_problem(calls: list) -> str:
     if len(calls) > 1:
         return (f"{len(calls)} all-reduces: make one, for every buffer at once. Add up the squares of all the "
                 "shards first: an all-reduce of one number costs a latency, and it is paid once")
-    _, nbytes, reduce = calls[0]
-    if nbytes > 8:
-        return (f"the all-reduce moved {nbytes} bytes: one number is enough, this rank's sum of squares over all "
-                "its shards (a tensor of one element)")
+    _, nbytes, reduce, numel = calls[0]
+    if numel != 1:
+        return (f"the all-reduce carried {numel} numbers ({nbytes} bytes): one number is enough, this rank's sum of "
+                "squares over all its shards (a tensor of one element)")
     if reduce != "sum":
         return f"the all-reduce used op={reduce.upper()}: the squares of the ranks' shards add up (ReduceOp.SUM)"
     return ""

@@ -423,6 +423,14 @@ def clip_averages(shards, numels, max_norm, group):
     return _clip_with(shards, total.sqrt().item(), max_norm)
 
 
+def clip_reduces_two_numbers(shards, numels, max_norm, group):
+    rank = dist.get_rank(group)
+    squares = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
+    both = torch.stack([squares, torch.zeros(())])             # 8 bytes in fp32, but two numbers
+    dist.all_reduce(both, group=group)
+    return _clip_with(shards, both[0].sqrt().item(), max_norm)
+
+
 def ref_norm(shards, numels, group):
     rank = dist.get_rank(group)
     total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
@@ -462,6 +470,7 @@ WRONG_ANSWERS = [
     (check_clip_grad_norm, clip_whole_world, "place in `group`"),
     (check_clip_grad_norm, clip_forgets_to_scale, "were not scaled"),
     (check_clip_grad_norm, clip_averages, "op=AVG"),
+    (check_clip_grad_norm, clip_reduces_two_numbers, "carried 2 numbers"),
 ]
 
 
