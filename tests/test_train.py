@@ -22,7 +22,8 @@ from picotron.model import Llama
 from picotron.parallel.tensor_parallel import gather_along, gather_parameters
 from picotron.parallel.zero3 import Zero3
 from picotron.tolerance import ADAM_WEIGHTS_ATOL, LOSS_ATOL, TRAINING_GRAD_TOL
-from picotron.train import Trainer, lr_at, main, parse_args, train
+from picotron.train import Trainer, lr_at, main, train
+from picotron.train_cli import parse_args
 from picotron.costs import flops_per_token
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,

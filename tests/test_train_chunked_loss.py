@@ -14,7 +14,8 @@ from picotron.layout import validate
 from picotron.mesh import Mesh
 from picotron.parallel.zero3 import Zero3
 from picotron.tolerance import ADAM_WEIGHTS_ATOL, LOSS_ATOL
-from picotron.train import Trainer, parse_args
+from picotron.train import Trainer
+from picotron.train_cli import parse_args
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_seq_len=64)
