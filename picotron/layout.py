@@ -75,8 +75,9 @@ def check_combination(model: ModelConfig, p: ParallelConfig) -> None:
     if p.pp > 1 and p.zero_stage == 3:
         raise ValueError("zero_stage=3 with pp>1: ZeRO-3 all-gathers a layer's weights for every forward and "
                          "backward, and a pipeline runs each stage's layers once per micro-batch, so the weights "
-                         "would cross the network 2m times a step instead of twice; use zero_stage=1 or 2 with "
-                         "pp (as DeepSeek-V3 does), or pp=1 with ZeRO-3")
+                         "would cross the network 2m times a step, and a pipeline needs many micro-batches "
+                         "(m >> p) to keep its bubble small; use zero_stage=1 or 2 with pp (as DeepSeek-V3 does), "
+                         "or pp=1 with ZeRO-3")
     if p.pp > 1 and p.zero_stage == 2 and p.pp_schedule in ("zb-h1", "interleaved"):
         why = ("zb-h1's W steps write the weight gradients themselves, after backward" if p.pp_schedule == "zb-h1"
                else "a rank's chunks of layers run separate backwards, so a bucket spanning two chunks fills up "

@@ -6,6 +6,7 @@ stages cut from one model, the send and the receive between them, a loop that ru
 written as data, picotron's schedules, and one training step of a stage. What feeds those cells,
 runs the proofs on ranks, times the schedules and draws them lives here:
 
+    gradient_roundings                           the n of picotron.tolerance for a gradient, split or not
     new_model, adamw, one_process_grads          the shared model, optimizer and one-process reference
     step_time, mean_bubble, gantt, op_legend     a timeline's arithmetic, and its drawing: a bar per action
     idea_figure, simulated_figure                where the layers live and the bubble (1); simulated timelines
@@ -55,6 +56,15 @@ MiB = 2**20
 
 
 # ---- the model, the optimizer, the one-process reference -----------------------------------------
+def gradient_roundings(config, seq: int, batch: int, microbatches: int, replicas: int) -> int:
+    """n of picotron.tolerance (the roundings behind one number) for any gradient of a Llama of `config` over
+    `batch` sequences of `seq` tokens, however a pipeline splits the work: the model's own forward and backward
+    (tolerance.llama_roundings), plus what the split adds: the shares of up to `microbatches` micro-batches
+    accumulated and divided, those of `replicas` data-parallel replicas averaged, and the tied matrix's second
+    share. The bound on a float32 difference is then 8 sqrt(n) u x the largest value."""
+    return tolerance.llama_roundings(config, seq, batch * seq) + microbatches + replicas + 1
+
+
 def new_model(config):
     """The same weights on every rank and in one process."""
     torch.manual_seed(0)
@@ -539,10 +549,10 @@ def real_figure(real: dict, schedules: dict, p: int, m: int) -> None:
         ax.set_xlabel("")
     axes[-1].set(xlim=(0, max(step_time(e) for e in real.values()) * 1e3), xlabel="time since the step started (ms)")
     op_legend(axes[0], "FBW", paler=True, loc="upper left", bbox_to_anchor=(1.005, 1))
-    caption(fig, f"The real model, measured on {p} CPU processes sharing 2 cores. The shapes of 4.1 are there, "
-            "stretched and jittered: when more than two ranks compute at once each runs at half speed, another process "
-            "may take a core mid-action, and each message adds a gap; so the measured bubbles sit away from the "
-            "formula, mostly above.")
+    caption(fig, f"The real model, measured on {p} CPU processes sharing the machine's cores. The shapes of 4.1 are "
+            "there, stretched and jittered: when more ranks compute at once than there are free cores they take "
+            "turns, another process may take a core mid-action, and each message adds a gap; so the measured "
+            "bubbles sit away from the formula, mostly above.")
     plt.show()
 
 
@@ -639,7 +649,7 @@ def show_memory(rows: dict) -> None:
 
 # ---- section 5: the formulas at scale ------------------------------------------------------------
 def limits_figure(p: int, dp: int, kinds: dict, fewest, tokens_per_micro: int = 8192,
-                  batch_tokens: float = 16e6) -> None:
+                  batch_tokens: float = 2048 * 8192) -> None:
     """Left: the bubble against m at p stages (formulas). Right: the global batch that keeps the bubble <= 10%,
     against p. kinds: {label: (schedule, v, colour)}; fewest(name, p, v): the smallest such m."""
     import matplotlib.pyplot as plt
@@ -665,8 +675,9 @@ def limits_figure(p: int, dp: int, kinds: dict, fewest, tokens_per_micro: int = 
     ax_tokens.minorticks_off()
     ax_tokens.legend(fontsize=7)
     caption(fig, "Computed, not measured. Left: with 16 micro-batches on 16 stages, 1F1B idles 48%, interleaving with "
-            "v = 4 19%, ZB-H1 24%. Right: a 10% bubble at p = 16 would need 141M tokens per step with 1F1B, nine times "
-            "Llama 3's batch; interleaving and ZB-H1 cut that, but the batch size still grows with p.")
+            "v = 4 19%, ZB-H1 24%. Right: a 10% bubble at p = 16 would need 142M tokens per step with 1F1B, 8.4 times "
+            "Llama 3's batch (2,048 x 8,192 = 16.8M tokens); interleaving and ZB-H1 cut that, but the batch size "
+            "still grows with p.")
     plt.show()
 
 

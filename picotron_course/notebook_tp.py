@@ -6,6 +6,8 @@ all-reduce cut in two halves), each proof's asserts and its one-line verdict. Wh
 times or draws lives here:
 
     Setup                                          the chapter's model, batch and data, sent to the ranks
+    mlp_roundings, loss_roundings                  the n of picotron.tolerance for section 1's block algebra
+                                                   and section 2.3's sliced cross-entropy
     state_bytes, layers_activations                training state and activations per GPU (formulas)
     split_figure, regions_figure                   the two splits of a matrix product; where a layer talks (1)
     column_then_row, picotron_linears              the chapter's layers and picotron's vs nn.Linear (2.1)
@@ -84,6 +86,20 @@ class Setup:
         whose bound on a float32 difference in summation order is 8 sqrt(n) u x the largest value, u = 2^-24."""
         return tolerance.llama_roundings(dataclasses.replace(self.config, num_layers=1), self.seq,
                                          self.batch * self.seq)
+
+
+def mlp_roundings(h: int, h_ff: int = 0, tokens: int = 0) -> int:
+    """n of picotron.tolerance (the roundings behind one number) for a Linear h -> h_ff followed by one
+    h_ff -> h, in any summation order: a sum over the h inputs, then one over the h_ff features (h_ff = 0:
+    the first Linear alone). A weight gradient sums over the `tokens` too. The bound on a float32
+    difference is then 8 sqrt(n) u x the largest value."""
+    return h + h_ff + tokens
+
+
+def loss_roundings(vocab: int, tokens: int) -> int:
+    """n of picotron.tolerance for a mean cross-entropy, however its vocabulary is sliced: each token's sum
+    of exponentials over the `vocab` logits, then the mean over the `tokens`."""
+    return vocab + tokens
 
 
 def state_bytes(config: ModelConfig, tp: int) -> int:
@@ -224,7 +240,7 @@ def column_then_row(column_cls, row_cls, h: int = 16, h_ff: int = 32) -> dict:
     forward = counter.snapshot()
     with comm.counting() as counter:
         y.backward(grad_out)
-    n = h + h_ff + 3 * 5                                   # roundings: sums over h and h_ff, and the 15 tokens
+    n = mlp_roundings(h, h_ff, tokens=x[..., 0].numel())   # sums over h and h_ff, and the 15 tokens
     out = {"output": tolerance.compare(y, y_ref, n=n), "input grad": tolerance.compare(x_tp.grad, x_ref.grad, n=n),
            "weight grads": tolerance.compare_all(
                {"column": column.weight.grad, "row": row.weight.grad},
@@ -261,7 +277,8 @@ def picotron_linears(column_cls, row_cls, h: int = 16, h_ff: int = 32) -> dict:
         first(x_ref).backward(grad_out)
         out[name] = tolerance.compare_all(                  # sums over h, h_ff and the 15 tokens: float32 round-off
             {"output": y, "input grad": x_in.grad, "weight grad": gather_gradients(layer, group)["weight"]},
-            {"output": first(x), "input grad": x_ref.grad, "weight grad": first.weight.grad}, n=h + h_ff + 15)
+            {"output": first(x), "input grad": x_ref.grad, "weight grad": first.weight.grad},
+            n=mlp_roundings(h, h_ff, tokens=x[..., 0].numel()))
     return out
 
 
