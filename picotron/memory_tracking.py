@@ -10,7 +10,9 @@ really allocates, so that the two can be compared term by term (chapters/01_memo
   returned as the same MemoryBreakdown the formula gives (fake=True: FakeTensorMode, so a
   Llama-3-8B shape is measured without its memory);
 - `saved_tensors(output)`, the tensors autograd keeps for backward, read from the graph, and
-  `SavedActivations`, the same through saved-tensor hooks on a running rank.
+  `SavedActivations`, the same through saved-tensor hooks on a running rank;
+- `step_peaks(series, step_starts)`, the most bytes alive in each training step of a timeline (the
+  tracker's, or one read from the CUDA allocator's history).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = "forward"
         self.blocks: list[Block] = []
         self.phases: list[tuple[int, str]] = []        # (event, phase) where each phase starts
+        self.step_starts: list[int] = []               # event at which each optimizer step began
         self.events = 0                                # allocations + frees so far: the clock
         self.stopped: int | None = None                # event at which the tracker was exited
         self.live_bytes = self.peak_bytes = 0
@@ -154,11 +157,13 @@ def default_dtype(dtype: torch.dtype):
 
 
 def measure_memory(config: ModelConfig, batch: int, seq: int, *, precision: str = "fp32", micro_batches: int = 1,
-                   steps: int = 2, fake: bool = False, seed: int = 0) -> Measurement:
+                   steps: int = 2, fake: bool = False, seed: int = 0, set_to_none: bool = True) -> Measurement:
     """Train `steps` AdamW steps of `micro_batches` x (batch, seq) tokens and measure what stays in memory.
 
-    From the second step on the optimizer state exists during forward and backward: the steady
-    state, whose peak matters. fake=True runs under FakeTensorMode: every op computes shapes only,
+    From the second step on the optimizer state exists during forward and backward: torch's AdamW
+    creates it lazily, in the first `step()`. That second step is the steady state, whose peak
+    matters. Each step starts with `zero_grad(set_to_none)`: True (torch's default) frees the
+    gradients until backward makes them again; False keeps them, zeroed, through the next forward. fake=True runs under FakeTensorMode: every op computes shapes only,
     so a Llama-3-8B step takes a second and no memory. bf16-mixed trains a bf16 model from fp32
     master weights; its optimizer step makes fp32 copies of the gradients (4 bytes per parameter
     during the step, which some frameworks keep for good).
@@ -177,7 +182,7 @@ def measure_memory(config: ModelConfig, batch: int, seq: int, *, precision: str 
         activations = []
         with tracker:
             for step in range(steps):
-                activations += tracked_step(model, optimizer, data[step], tracker, master)
+                activations += tracked_step(model, optimizer, data[step], tracker, master, set_to_none)
         measured = MemoryBreakdown(
             parameters=tensor_bytes(model.parameters()),
             gradients=tensor_bytes(w.grad for w in model.parameters()),
@@ -187,9 +192,11 @@ def measure_memory(config: ModelConfig, batch: int, seq: int, *, precision: str 
 
 
 def tracked_step(model: Llama, optimizer: torch.optim.Optimizer, micro_batches: torch.Tensor,
-                 tracker: MemoryTracker, master: list[torch.Tensor] | None = None) -> list[int]:
+                 tracker: MemoryTracker, master: list[torch.Tensor] | None = None,
+                 set_to_none: bool = True) -> list[int]:
     """One optimizer step with gradient accumulation; returns the activation bytes after each forward."""
-    model.zero_grad(set_to_none=True)
+    tracker.step_starts.append(tracker.events)
+    model.zero_grad(set_to_none=set_to_none)
     activations = []
     for input_ids, targets in micro_batches:
         with tracker.during("forward"):
@@ -216,6 +223,17 @@ def tracked_step(model: Llama, optimizer: torch.optim.Optimizer, micro_batches: 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def step_peaks(series: dict[str, list[int]], step_starts: list[int]) -> list[int]:
+    """The most bytes alive at once (all kinds of `series` together) in each step: from its start event to the
+    next step's start, the last step to the end of the timeline."""
+    total = [sum(values) for values in zip(*series.values())]
+    if not step_starts or step_starts[0] < 0 or step_starts[-1] >= len(total):
+        raise ValueError(f"step_starts {step_starts} must be events of the timeline (0 to {len(total) - 1}), "
+                         "one per step, in order")
+    ends = [*step_starts[1:], len(total)]
+    return [max(total[start:end]) for start, end in zip(step_starts, ends)]
 
 
 @dataclass

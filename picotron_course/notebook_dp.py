@@ -9,9 +9,8 @@ asserts and its one-line verdict. What only runs, records, times or draws lives 
     lockstep(variants, new_model, loader, ...)    every variant trained side by side with one process
     step_times(variants, new_model, loader)       step times and waits, round-robin, on a rank
     times_of(per_rank, name, which)               one variant's times, rank by rank
-    timeline(new_model, loader, bucket_mb, ...)   one step of picotron's DataParallel, with the buckets' clocks
     bytes_per_step(variants, new_model, loader)   all-reduce calls and bytes of one step, and a ring's sends
-    idea_figure, proof_figure, step_time_figure, timeline_figure, sweep_figure, exposed_figure,
+    idea_figure, proof_figure, step_time_figure, trace_figure, sweep_figure, exposed_figure,
     limits_figure                                 the chapter's figures, one function each
 
 A variant is `make(model) -> gradient sync`: None (no communication), torch's DistributedDataParallel,
@@ -33,11 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 from picotron import comm, tolerance
 from picotron.launch import device
 from picotron.model import loss_fn
-from picotron.parallel.data_parallel import DataParallel
 from picotron_course.notebook import caption, sync
 
-__all__ = ["parts", "first_step", "lockstep", "step_times", "times_of", "timeline", "bytes_per_step",
-           "idea_figure", "proof_figure", "step_time_figure", "timeline_figure", "sweep_figure", "exposed_figure",
+__all__ = ["parts", "first_step", "lockstep", "step_times", "times_of", "bytes_per_step",
+           "idea_figure", "proof_figure", "step_time_figure", "trace_figure", "sweep_figure", "exposed_figure",
            "limits_figure"]
 
 
@@ -200,28 +198,6 @@ def times_of(per_rank: list, name, which: int = 0) -> list[list[float]]:
     return [[rep[which] for rep in rank[name]] for rank in per_rank]
 
 
-def timeline(new_model, loader, bucket_mb: float, overlap: bool) -> tuple[list, list]:
-    """The last of 3 steps of picotron's DataParallel on this rank: the clock when the step started and
-    when forward, backward, the wait and the optimizer ended; each bucket's (launched, done) times."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = new_model()
-    dp = DataParallel(model, dist.group.WORLD, bucket_mb=bucket_mb, overlap=overlap)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = loader(rank, world).get_batch(0).to(device())
-    for _ in range(3):
-        sync(); dist.barrier()
-        marks = [time.perf_counter()]
-        loss = loss_fn(model(batch.input_ids), batch.targets)
-        sync(); marks.append(time.perf_counter())                     # forward done
-        loss.backward()
-        sync(); marks.append(time.perf_counter())                     # backward done
-        dp.finish_gradient_sync()
-        marks.append(time.perf_counter())                             # every all-reduce done
-        optimizer.step(); optimizer.zero_grad()
-        sync(); marks.append(time.perf_counter())                     # optimizer done
-    return marks, [(b.launched_at, b.done_at or marks[3]) for b in dp.buckets]
-
-
 def bytes_per_step(variants: dict, new_model, loader) -> dict:
     """{name: (all-reduce calls, their payload bytes, bytes a ring all-reduce of the same gradients sends)}
     for one step of each variant on this rank, counted by picotron.comm."""
@@ -312,39 +288,40 @@ def step_time_figure(step_ms: dict, spread: dict, title: str) -> None:
     plt.show()
 
 
-def timeline_figure(recorded: dict, bucket_mb: float) -> None:
-    """Per rank, a compute row (forward, backward, wait, optimizer) and one row per bucket's all-reduce;
-    `recorded[overlap]` is timeline's result on every rank, overlap True on top."""
+def trace_figure(steps: dict, bucket_mb: float, backend: str) -> None:
+    """Per rank, backward's compute ops and the all-reduces as the profiler recorded them (picotron.profiling's
+    StepTrace); `steps[overlap]` is one StepTrace per rank, overlap True on top, False below."""
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7))
+    phase_colours = {"forward": "0.82", "backward": "#b9d6ee", "finish_gradient_sync": "#f2b8b8", "optimizer": "0.6"}
     for ax, overlap in zip(axes, (True, False)):
-        world = len(recorded[overlap])
-        t0 = min(marks[0] for marks, _ in recorded[overlap])
-        count = len(recorded[overlap][0][1])
-        lane = 1.2 + 0.2 * count                                      # a compute row, then one row per bucket
-        for rank, (marks, buckets) in enumerate(recorded[overlap]):
-            ms = [(m - t0) * 1e3 for m in marks]
-            top = (world - 1 - rank) * lane
-            phases = [(ms[0], ms[1], "C0", "forward"), (ms[1], ms[2], "C9", "backward"),
-                      (ms[2], ms[3], (0.9, 0.6, 0.6), "waiting in finish_gradient_sync"),
-                      (ms[3], ms[4], "0.6", "optimizer")]
-            for a, b, colour, label in phases:
-                ax.barh(top, b - a, left=a, height=0.6, color=colour, label=label if rank == 0 else None)
-            for i, (launched, done) in enumerate(buckets):            # bucket 0 (the last layers) on the first row
-                ax.barh(top - 0.6 - 0.2 * i, (done - launched) * 1e3, left=(launched - t0) * 1e3, height=0.16,
-                        color=plt.cm.autumn(i / max(1, count - 1)),
-                        label="all-reduce of a bucket (one row each, bucket 0 first)" if rank == i == 0 else None)
-        ax.set_yticks([(world - 1 - r) * lane + k for r in range(world) for k in (0, -0.5 - 0.1 * count)],
-                      [f"rank {r} {what}" for r in range(world) for what in ("compute", "all-reduces")], fontsize=7)
+        world = len(steps[overlap])
+        for rank, step in enumerate(steps[overlap]):
+            top = (world - 1 - rank) * 2.0                          # three rows per rank: phases, compute, comms
+            for name, (a, b) in step.marks.items():
+                ax.broken_barh([(a, b - a)], (top + 0.45, 0.25), color=phase_colours[name],
+                               label=f"mark: {name}" if rank == 0 else None)
+            ax.broken_barh([(a, b - a) for a, b in step.backward_ops], (top - 0.1, 0.4), color="C0",
+                           label="backward compute op" if rank == 0 else None)
+            for i, (a, b) in enumerate(step.all_reduces):           # alternate rows: gloo runs two at once
+                ax.broken_barh([(a, b - a)], (top - 0.75 + 0.2 * (i % 2), 0.18), color="C3",
+                               label="all-reduce, as the backend ran it" if rank == i == 0 else None)
+            ax.plot([step.backward_end] * 2, [top - 0.8, top + 0.75], "k--", lw=0.8,
+                    label="backward's last op ends" if rank == 0 else None)
+        ax.set_yticks([(world - 1 - r) * 2.0 + k for r in range(world) for k in (0.1, -0.55)],
+                      [f"rank {r} {what}" for r in range(world) for what in ("backward", "all-reduces")], fontsize=7)
+        started = sum(step.started_during_backward for step in steps[overlap])
         how = "launched from the hooks (overlap=True)" if overlap else "launched after backward (overlap=False)"
-        ax.set_title(f"One step, {count} buckets of {bucket_mb:g} MiB, {how}")
-    end = max((m[4] - min(r[0] for r, _ in recorded[o])) * 1e3 for o in recorded for m, _ in recorded[o])
-    axes[0].set_xlim(0, end * 1.4)                                    # room on the right for the legend
+        ax.set_title(f"Profiler trace of one step, buckets of {bucket_mb:g} MiB, {how}: {started} of "
+                     f"{sum(len(s.all_reduces) for s in steps[overlap])} all-reduces start during backward", fontsize=9)
+        end = max(max(b for _, b in s.marks.values()) for s in steps[overlap])
+        ax.set_xlim(0, end * 1.35)                                    # each its own scale; room for the legend
+        ax.set_xlabel("time since the rank's forward began (ms), read from the trace", fontsize=8)
     axes[0].legend(fontsize=7, loc="upper right")
-    axes[1].set_xlabel("time since the step started (ms)")
-    caption(fig, "Top: the first buckets' all-reduces start while backward is still running. Bottom: nothing moves until "
-            "backward is over. On this CPU the gloo threads compete with backward for the same two cores, so overlap "
-            "shortens the wait less than on a GPU, where NCCL has its own links.")
+    caption(fig, f"{backend}. Top: the first buckets' all-reduces run while backward still computes (left of the "
+            "dashed line). Bottom: nothing is sent until backward is over. With gloo the all-reduces are spans of "
+            "gloo's worker threads, with NCCL kernels on NCCL's own stream; open the JSON files in ui.perfetto.dev "
+            "to see every op.")
     plt.show()
 
 

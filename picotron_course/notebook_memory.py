@@ -6,9 +6,9 @@ draws lives here:
 
     saved_listing(config, batch, seq)            the tensors one decoder layer saves, one row per storage
     memory_shares_figure(models)                 where a 4096-token step's memory goes, four public shapes
-    timeline_figure(run)                         the tracker's bytes alive, by kind, over four steps
-    train_on_gpu(config, batch, seq)             AdamW steps on CUDA, for the allocator's history
-    cuda_trace_figure(snapshot, title)           the allocator's bytes over its events
+    first_steps_figure(series, phases, starts)   bytes alive over the first steps, phases shaded, peaks marked
+    cuda_first_steps(config, batch, seq)         the same steps on CUDA, read from the allocator's history
+    cuda_block_bytes(nbytes)                     what the allocator counts for a tensor: 512-byte multiples
     sequence_length_figure(config, modes, ...)   one layer and the whole model against the sequence
     step_seconds(config, batch, seq)             the fastest of a few training steps
     recompute_cost_table(results)                memory, time and FLOPs of each recomputation
@@ -80,60 +80,94 @@ def memory_shares_figure(models: list[str], seq_len: int = 4096) -> None:
     plt.show()
 
 
-def timeline_figure(run: memory_tracking.Measurement) -> dict[str, list[int]]:
-    """Bytes alive by kind after every allocation and free of measure_memory's steps, phases shaded;
-    returns the tracker's timeline."""
-    series = run.tracker.timeline()
-    events = np.arange(len(series["parameters"]))
-    fig, ax = plt.subplots(figsize=(11, 4))
-    kinds = ("parameters", "gradients", "optimizer state", "activations", "temporaries")
-    ax.stackplot(events, [np.array(series[k]) / MiB for k in kinds], labels=kinds, colors=[COLOURS[k] for k in kinds])
-    starts = run.tracker.phases + [(events[-1], "end")]
+def first_steps_figure(series: dict[str, list[int]], phases: list[tuple[int, str]], step_starts: list[int],
+                       title: str, note: str) -> list[int]:
+    """Bytes alive after every allocation and free, stacked by kind (one kind: the allocator's total), with
+    the phases shaded, each step labelled and its peak marked; returns the peak of each step."""
+    events = np.arange(len(next(iter(series.values()))))
+    peaks = memory_tracking.step_peaks(series, step_starts)
+    total = sum(np.array(values) for values in series.values())
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    ax.stackplot(events, [np.array(values) / MiB for values in series.values()], labels=list(series),
+                 colors=[COLOURS.get(kind, "0.55") for kind in series])
     shades = {"forward": "white", "backward": "#e6edf8", "optimizer": "#fbf1d5"}
-    top = max(sum(np.array(series[k]) for k in kinds)) / MiB * 1.12
-    for (begin, phase), (end, _) in zip(starts, starts[1:]):
+    bounds = phases + [(events[-1], "end")]
+    for (begin, phase), (end, _) in zip(bounds, bounds[1:]):
         ax.axvspan(begin, end, color=shades[phase], zorder=-1)
-    for step, (begin, _) in enumerate(p for p in starts if p[1] == "forward"):
-        ax.text(begin + 15, top * 0.97, f"step {step + 1}", fontsize=8, va="top")
-    ax.set(xlabel="allocation and free events (time order)", ylabel="bytes alive (MiB)", ylim=(0, top * 1.12),
-           title="Memory of four training steps (tiny model, fp32, measured on CPU by the tracker)", xlim=(0, events[-1]))
-    ax.legend(fontsize=8, loc="upper right", ncols=5)
-    caption(fig, "Background white: forward, blue: backward, yellow: optimizer step. Activations pile up in forward and "
-            "drain in backward while gradients appear; optimizer state exists from the end of step 1 on, so steps 2-4 "
-            "peak higher.")
+    top = total.max() / MiB * 1.25
+    ends = [*step_starts[1:], len(events)]
+    for step, (begin, end, peak) in enumerate(zip(step_starts, ends, peaks)):
+        at = begin + int(np.argmax(total[begin:end]))
+        ax.axvline(begin, color="0.3", lw=0.8)
+        ax.text(begin + len(events) * 0.005, top * 0.97, f"step {step + 1}", fontsize=9, va="top", weight="bold")
+        ax.plot(at, peak / MiB, "kv", ms=6)
+        ax.annotate(f"peak {peak / MiB:.1f} MiB", (at, peak / MiB), textcoords="offset points", xytext=(4, 6),
+                    fontsize=8)
+    ax.set(xlabel="allocation and free events (time order)", ylabel="bytes alive (MiB)", ylim=(0, top),
+           xlim=(0, events[-1]), title=title)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=5)   # under the axis, off the peaks
+    caption(fig, "Background white: forward, blue: backward, yellow: optimizer step. " + note)
     plt.show()
-    return series
+    return peaks
 
 
-def train_on_gpu(config: ModelConfig, batch: int, seq: int, steps: int = 4) -> tuple:
-    """`steps` AdamW steps of a Llama on the current CUDA device; returns (model, optimizer), still alive, so
-    that a snapshot taken now shows the weights and the optimizer state (delete them afterwards)."""
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator counts for a tensor of `nbytes`: a block of a multiple of 512 bytes
+    (its kMinBlockSize), at least one."""
+    return max(1, -(-nbytes // 512)) * 512
+
+
+def cuda_first_steps(config: ModelConfig, batch: int, seq: int, steps: int = 3) -> tuple:
+    """`steps` AdamW steps of a new Llama on the current CUDA device, with the caching allocator recording its
+    history (torch.cuda.memory._record_memory_history). Returns ({"allocated": bytes after every event},
+    [(event, phase)], [event at which each step began], snapshot); the events are the allocator's allocs
+    and completed frees. Phase starts are found by counting allocations: memory_stats' cumulative
+    "allocation.all.allocated" rises by one per "alloc" entry of the history."""
+    def allocations() -> int:
+        return torch.cuda.memory_stats()["allocation.all.allocated"]
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")  # every alloc and free
+    first, marks, starts = allocations(), [], []
     torch.manual_seed(0)
     model = Llama(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, config.vocab_size, (batch, seq + 1), device="cuda")
     for _ in range(steps):
+        starts.append(allocations() - first)
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(ids[:, :-1]), ids[:, 1:]).backward()
+        marks.append((allocations() - first, "forward"))
+        loss = loss_fn(model(ids[:, :-1]), ids[:, 1:])
+        marks.append((allocations() - first, "backward"))
+        loss.backward()
+        del loss
+        marks.append((allocations() - first, "optimizer"))
         optimizer.step()
     torch.cuda.synchronize()
-    return model, optimizer
-
-
-def cuda_trace_figure(snapshot: dict, title: str) -> None:
-    """Bytes the caching allocator handed out, over its recorded events (allocs up, completed frees down)."""
+    made = allocations() - first
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)             # stop recording
+    del model, optimizer
     trace = snapshot["device_traces"][torch.cuda.current_device()]
-    change = [e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
-              for e in trace]
-    fig, ax = plt.subplots(figsize=(11, 3.5))
-    ax.plot(np.cumsum(change) / GiB)
-    ax.set(xlabel="allocator events (time order)", ylabel="allocated (GiB)", title=title)
-    caption(fig, "The real allocator trace: the same rise in forward, fall in backward, and optimizer state from step 1 "
-            "on. Open memory_snapshot.pickle in https://pytorch.org/memory_viz for the blocks and their stacks.")
-    plt.show()
+    if sum(entry["action"] == "alloc" for entry in trace) != made:
+        raise RuntimeError(f"the allocator's history holds {sum(e['action'] == 'alloc' for e in trace)} allocations "
+                           f"of the {made} made: raise max_entries so that it keeps them all")
+    allocated, alloc_index, series = 0, [], []                         # alloc_index[k]: event of the k-th alloc
+    for entry in trace:
+        if entry["action"] in ("alloc", "free_completed"):
+            if entry["action"] == "alloc":
+                alloc_index.append(len(series))
+            allocated += entry["size"] if entry["action"] == "alloc" else -entry["size"]
+            series.append(allocated)
+
+    def event(count: int) -> int:                                      # the event of the count-th allocation
+        return alloc_index[count] if count < len(alloc_index) else len(series) - 1
+
+    return ({"allocated": series}, [(event(count), phase) for count, phase in marks],
+            [event(count) for count in starts], snapshot)
 
 
-def sequence_length_figure(config: ModelConfig, modes: dict, seqs, measured: dict, seconds: float) -> None:
+def sequence_length_figure(config: ModelConfig, modes: dict, seqs, measured: dict) -> None:
     """Left: one layer's activations, formula (lines) and `measured[mode]` at `seqs` (dots); right: the
     whole model's training memory, against the sequence length, for each mode's config changes."""
     lines = np.geomspace(512, 32768, 40).astype(int)
@@ -156,8 +190,7 @@ def sequence_length_figure(config: ModelConfig, modes: dict, seqs, measured: dic
     right.legend(fontsize=8)
     caption(fig, "Left: eager attention's memory bends upwards (the s² probabilities); sdpa and selective recomputation "
             "are the same straight line (up to sdpa's small log-sum-exp); full recomputation keeps only the layer "
-            f"inputs. Right: the 120 GiB of state alone exceed one GPU at any length. ({seconds:.1f} s for "
-            f"{2 * len(modes) * len(seqs)} fake steps)")
+            "inputs. Right: the 120 GiB of state alone exceed one GPU at any length.")
     plt.show()
 
 

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from picotron.layout import validate
 from picotron.memory import estimate_memory, num_param_tensors
-from picotron.memory_tracking import MemoryTracker, measure_memory, saved_tensors
+from picotron.memory_tracking import MemoryTracker, measure_memory, saved_tensors, step_peaks
 from picotron.costs import activation_bytes, activation_bytes_per_layer, training_flops_per_token
 from picotron.model import DecoderLayer, Llama, loss_fn
 from picotron.tolerance import LOSS_ATOL, compare_all, llama_roundings
@@ -99,6 +99,29 @@ def test_timeline_has_optimizer_state_only_after_the_first_step():
     assert max(series["optimizer state"][:first_optimizer]) == 0
     assert series["optimizer state"][-1] > 0 and series["activations"][-1] == 0
     assert max(series["activations"]) > 0 and max(series["gradients"]) > 0
+
+
+def test_first_steps_peak_rises_by_exactly_the_lazy_adamw_state():
+    # Activations (4 x 128 tokens) outweigh the state, so each step peaks early in backward; AdamW makes its
+    # state in step 1's optimizer step, so steps 2 and 3 peak higher by exactly the formula's optimizer bytes.
+    run = measure_memory(TINY, 4, 128, steps=3)
+    formula = estimate_memory(TINY, TrainConfig(micro_batch_size=4, seq_len=128))
+    peaks = step_peaks(run.tracker.timeline(), run.tracker.step_starts)
+    assert len(peaks) == 3 and peaks[1] == peaks[2] == peaks[0] + formula.optimizer
+
+
+def test_gradients_kept_between_steps_raise_the_later_peaks_but_not_the_first():
+    freed, kept = (measure_memory(TINY, 4, 128, steps=2, set_to_none=flag) for flag in (True, False))
+    first = [step_peaks(run.tracker.timeline(), run.tracker.step_starts) for run in (freed, kept)]
+    assert first[0][0] == first[1][0]                          # step 1: no gradient exists yet either way
+    assert first[0][1] < first[1][1] <= first[0][1] + freed.measured.gradients
+    gradients = kept.tracker.timeline()["gradients"]
+    assert gradients[kept.tracker.step_starts[1] + 1] == kept.measured.gradients   # alive into step 2's forward
+
+
+def test_step_peaks_refuses_starts_outside_the_timeline():
+    with pytest.raises(ValueError, match="must be events of the timeline"):
+        step_peaks({"activations": [0, 5, 2]}, [0, 3])
 
 
 # ---- recomputation -------------------------------------------------------------------------------
