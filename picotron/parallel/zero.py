@@ -9,7 +9,9 @@ process. This file holds:
     FlatGroup                                       parameters as views of one flat buffer, padded to N shards
     ZeroOptimizer                                   stages 0 (plain DP in the same layout), 1 and 2
 
-Stage 3 (the parameters sharded too) is `Zero3` in zero3.py, built on the same FlatGroup.
+Stage 3 (the parameters sharded too) is `Zero3` in zero3.py, built on the same FlatGroup. Stages 1-3
+also run as HSDP (sharded within a group of s ranks, replicated across r such groups): pass
+`replicate_group`, from picotron.parallel.hsdp.hsdp_groups.
 
     zero = ZeroOptimizer(model, mesh.dp_group, stage=1,              # or stage=0 or 2
                          optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3), bucket_mb=25)
@@ -36,6 +38,7 @@ from torch import nn
 from picotron import comm
 from picotron.parallel.data_parallel import assign_buckets, broadcast_parameters
 from picotron.parallel.grad_norm import clip_factor
+from picotron.parallel.hsdp import check_replicate_group
 
 __all__ = ["ZERO_STAGES", "check_zero_stage", "StateBytes", "zero_state_bytes", "zero_comm_bytes", "ring_bytes",
            "FlatGroup", "ZeroOptimizer"]
@@ -48,6 +51,7 @@ MakeOptimizer = Callable[[list], torch.optim.Optimizer]
 
 
 ZERO_STAGES = (0, 1, 2, 3)
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16)   # ZeRO-3's gathered copies (FSDP2's MixedPrecisionPolicy.param_dtype)
 
 
 def check_zero_stage(stage, name: str = "zero_stage") -> None:
@@ -90,8 +94,11 @@ def zero_state_bytes(numels: int | Sequence[int], world: int, stage: int, precis
     """Bytes per rank of parameters, gradients and optimizer state, to the byte, for picotron's ZeRO.
 
     numels: parameters per flat group (`zero.numels`), or the model's total for one group.
-    The padding to a multiple of N per group and AdamW's step counters (4 bytes per group) are
-    included, so this equals `ZeroOptimizer.state_bytes()` exactly (chapters/03_zero.ipynb derives it).
+    world: the ranks of one shard group (HSDP: s; each of the r replicas holds the same bytes).
+    Zero3 with a compute dtype keeps this fp32 state ("fp32"); its gathered units, in the compute
+    dtype, come on top while they live (Zero3.peak_gathered_bytes). The padding to a multiple of N
+    per group and AdamW's step counters (4 bytes per group) are included, so this equals
+    `ZeroOptimizer.state_bytes()` exactly (chapters/03_zero.ipynb derives it).
     """
     if precision not in BYTES_PER_PARAM:
         raise ValueError(f"precision={precision!r}; choose one of {sorted(BYTES_PER_PARAM)}")
@@ -104,35 +111,69 @@ def zero_state_bytes(numels: int | Sequence[int], world: int, stage: int, precis
 
 
 def zero_comm_bytes(numels: int | Sequence[int], world: int, stage: int, precision: str = "fp32",
-                    micro_batches: int = 1) -> dict[str, int]:
+                    micro_batches: int = 1, *, replicate: int = 1, compute_dtype: torch.dtype | None = None
+                    ) -> dict[str, int]:
     """Payload bytes per optimizer step that this rank's CommCounter records, by operation.
 
     picotron.comm counts what a rank hands to a collective: the whole input of an all-reduce or
     reduce-scatter, the input *shard* of an all-gather. Gradient clipping adds a 4-byte
     all-reduce of the squared norm (stages 1-3), not included here.
+
+    world: the ranks one shard group splits the state over (all the dp ranks, unless HSDP).
+    replicate: HSDP's r, the shard groups that hold the same shards; r > 1 adds an all-reduce of
+        every reduced gradient shard (S elements) over the r ranks that hold it.
+    compute_dtype: ZeRO-3 gathering the parameters in this dtype (Zero3's compute_dtype, precision
+        "fp32"): the all-gathers move 2 bytes a parameter in bf16, the reductions stay fp32.
     """
     if precision not in BYTES_PER_PARAM:
         raise ValueError(f"precision={precision!r}; choose one of {sorted(BYTES_PER_PARAM)}")
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+    if not isinstance(replicate, int) or replicate < 1:
+        raise ValueError(f"replicate={replicate!r} must be a positive number of shard groups")
+    if replicate > 1 and stage == 0:
+        raise ValueError("replicate > 1 with stage=0: stage 0 shards nothing to replicate; count all the ranks "
+                         "as world")
     p, g, _ = BYTES_PER_PARAM[precision]
+    if compute_dtype is not None:
+        check_compute_dtype(compute_dtype, stage, precision)
+        p = compute_dtype.itemsize
     numels, shard = _shard_numel(numels, world, stage)
     k = micro_batches
     if stage == 0:
         return {"all_reduce": g * shard}                                # the whole (unpadded) gradient
     reductions = 1 if stage == 1 else k                                 # stages 2, 3: every micro-batch
     gathers = 1 if stage < 3 else 2 * k                                 # stage 3: before forward and backward
-    return {"reduce_scatter": reductions * g * world * shard, "all_gather": gathers * p * shard}
+    payload = {"reduce_scatter": reductions * g * world * shard, "all_gather": gathers * p * shard}
+    if replicate > 1:
+        payload["all_reduce"] = reductions * g * shard                  # HSDP: each reduced shard, over r ranks
+    return payload
 
 
-def ring_bytes(payload: dict[str, int], world: int) -> float:
+def check_compute_dtype(compute_dtype, stage: int, precision: str = "fp32") -> None:
+    """Raise ValueError unless `compute_dtype` can be ZeRO-3's compute dtype over fp32 master parameters."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype!r}; choose torch.bfloat16 or torch.float16 (or None: "
+                         f"compute in the parameters' own dtype)")
+    if stage != 3:
+        raise ValueError(f"compute_dtype with stage={stage}: only ZeRO-3 gathers the parameters; at stages 0-2 "
+                         f"convert the model (model.to(torch.bfloat16)): its fp32 masters are kept for you")
+    if precision != "fp32":
+        raise ValueError(f"compute_dtype with precision={precision!r}: the parameters must be fp32, the masters "
+                         f"that the gathered {compute_dtype} copies are cast from")
+
+
+def ring_bytes(payload: dict[str, int], world: int, replicate: int = 1) -> float:
     """Bytes a rank sends on the wire for these payloads when each collective runs as a ring.
 
     all-reduce: 2 (N-1)/N of its tensor; reduce-scatter: (N-1)/N of its input (N-1 steps, one
     1/N chunk each); all-gather: its input shard N-1 times (Playbook, "A quick focus on
     collective operations"). For ZeRO in fp32 this gives (N-1)/N x 4 bytes x 2Psi', 2Psi', 3Psi'.
+    HSDP (replicate = r > 1): the all-reduce runs over the r replicas, 2 (r-1)/r of it; the
+    reduce-scatters and all-gathers over the shard group's world = s ranks.
     """
-    factor = {"all_reduce": 2 * (world - 1) / world, "reduce_scatter": (world - 1) / world,
+    ar = replicate if replicate > 1 else world
+    factor = {"all_reduce": 2 * (ar - 1) / ar, "reduce_scatter": (world - 1) / world,
               "all_gather": world - 1}
     unknown = set(payload) - set(factor)
     if unknown:
@@ -145,17 +186,21 @@ def ring_bytes(payload: dict[str, int], world: int) -> float:
 class FlatGroup:
     """Some parameters as views of one flat buffer, padded with zeros to split into N equal shards.
 
-        full    (N*S,)  the parameters one after another, then zeros, in the model's dtype
+        full    (N*S,)  the parameters one after another, then zeros, in the model's dtype (or
+                        the compute dtype: below)
         shard   (S,)    slice `index` of full, the part this rank updates: a view of full at
                         stages 0-2, its own tensor at stage 3 (where full is freed between uses)
         master  (S,)    what the optimizer steps: the shard itself in fp32, else an fp32 copy
         grad            the gradient this rank keeps: all of it at stages 0-1 (each param.grad is
                         a view of it, so autograd accumulates in place), only an (S,) shard at 2-3
 
-    Stage 0 builds it with num_shards=1: the "shard" is everything.
+    Stage 0 builds it with num_shards=1: the "shard" is everything. Stage 3 with a compute dtype
+    (fp32 parameters, compute_dtype bf16): shard, master and grad are fp32, full and the views the
+    model computes with are bf16, filled by gathering bf16 casts of the shards.
     """
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], num_shards: int, index: int, stage: int):
+    def __init__(self, params: list[nn.Parameter], names: list[str], num_shards: int, index: int, stage: int,
+                 compute_dtype: torch.dtype | None = None):
         dtypes = {(p.dtype, p.device) for p in params}
         if len(dtypes) > 1:
             raise ValueError(f"parameters {names} mix dtypes/devices {sorted(map(str, dtypes))}; "
@@ -172,6 +217,11 @@ class FlatGroup:
                 p.data = view                          # the model now computes in the buffer's memory
         shard = self.full[index * self.shard_numel:(index + 1) * self.shard_numel]
         self.shard = shard.clone() if stage == 3 else shard
+        if compute_dtype is not None and compute_dtype != self.full.dtype:   # stage 3 only (Zero3 checks)
+            self.full = self.full.to(compute_dtype)
+            self.views = [self.full[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
+            for p, view in zip(params, self.views):
+                p.data = view                          # the model computes in the compute dtype
         # Mixed precision: the optimizer updates fp32 numbers; bf16 would lose small updates (a bf16
         # weight of 1.0 cannot move by less than 2^-8). Micikevicius et al. 2018, arXiv:1710.03740.
         self.master = self.shard if self.shard.dtype == torch.float32 else self.shard.float()
@@ -181,13 +231,15 @@ class FlatGroup:
             for p, view in zip(params, self.grad_views):
                 p.grad = view
         else:
-            self.grad = self.shard.new_zeros(self.shard_numel)
+            self.grad = self.shard.new_zeros(self.shard_numel)   # in the shard's dtype: fp32 under a compute dtype
         self.ready: set[nn.Parameter] = set()   # params whose gradient arrived in this backward (stages 2-3)
         self.reductions = 0                     # reduce-scatters since the last step (stages 2-3)
         # Stage 3 only: does `full` hold the parameters now; the all-gather filling it, while one runs;
-        # is the unit between its backward's start and end; what parameters point at while it is freed.
+        # is the unit between its backward's start and end; what parameters point at while it is freed;
+        # the shard cast to the compute dtype while an all-gather reads it.
         self.gathered, self.work, self.in_backward = True, None, False
         self.empty = self.full.new_empty(0)
+        self.gather_input: torch.Tensor | None = None
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Cut a (N*S,) tensor laid out like `full` into one tensor per parameter, by name."""
@@ -236,6 +288,11 @@ class ZeroOptimizer:
         or whole norm (Adafactor, LAMB, Muon) would need the parameters' boundaries.
     bucket_mb: MiB of parameters per flat group (0: one per parameter). Stage 2 overlaps each
         bucket's reduce-scatter with the rest of backward.
+    replicate_group: HSDP (stages 1-3). `group` is then the shard group of s ranks and this group
+        joins the r ranks that hold the same shard in the other shard groups
+        (picotron.parallel.hsdp.hsdp_groups builds both). Each reduced gradient shard is
+        all-reduced over it, so the average is over all s * r ranks; the all-gathers stay
+        inside the shard group.
 
     Gradient accumulation: call backward once per micro-batch. Stages 0-1 add into their whole
     gradient buffer and communicate once in step(); stage 2 reduce-scatters every micro-batch and
@@ -243,14 +300,15 @@ class ZeroOptimizer:
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, *, stage: int = 1,
-                 optimizer: MakeOptimizer | None = None, bucket_mb: float = 25.0):
+                 optimizer: MakeOptimizer | None = None, bucket_mb: float = 25.0,
+                 replicate_group: dist.ProcessGroup | None = None):
         check_zero_stage(stage, "stage")
         if stage == 3:
             raise ValueError("stage=3 also shards the parameters, which needs hooks around every unit's "
                              "forward and backward: use Zero3(model, group, ...)")
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be >= 0 (0: one bucket per parameter)")
-        params = self._setup(model, group, stage)
+        params = self._setup(model, group, stage, replicate_group)
         bucket_numel = int(bucket_mb * 2**20) // params[0].element_size()
         # Reverse order, as DataParallel: roughly the order backward finishes the gradients.
         self._build(assign_buckets(params[::-1], bucket_numel), optimizer)
@@ -259,7 +317,7 @@ class ZeroOptimizer:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ---- set-up shared with Zero3 ------------------------------------------------------------
-    def _setup(self, model: nn.Module, group, stage: int) -> list[nn.Parameter]:
+    def _setup(self, model: nn.Module, group, stage: int, replicate_group=None) -> list[nn.Parameter]:
         self.group, self.world, self.rank = _group_position(group)
         self.model, self.stage = model, stage
         params = list(model.parameters())             # a tied weight appears once
@@ -270,14 +328,24 @@ class ZeroOptimizer:
             raise ValueError(f"parameters {frozen[:4]} do not require grad; this ZeRO shards trainable "
                              f"parameters only: make them trainable or keep them outside the model")
         self.name_of = {p: name for name, p in model.named_parameters()}
+        # HSDP: r copies of the s-way sharded state. The gradients are averaged over all s * r ranks.
+        self.replicate_group, self.replicas = replicate_group, 1
+        if replicate_group is not None:
+            if stage == 0:
+                raise ValueError("replicate_group with stage=0: stage 0 shards nothing, so there is nothing to "
+                                 "replicate; pass all the data-parallel ranks as `group`")
+            self.replicas = check_replicate_group(self.group, replicate_group, params[0].device)
+            broadcast_parameters(model, replicate_group)   # then the shard groups copy their first rank's
         broadcast_parameters(model, self.group)   # replicas must start identical
         self._pending = None            # (work, group, shard, flat input) of the reduce-scatter in flight
         self._grads_ready = False       # finish_gradient_sync ran since the last step
         return params
 
-    def _build(self, param_lists: list[list[nn.Parameter]], optimizer: MakeOptimizer | None) -> None:
+    def _build(self, param_lists: list[list[nn.Parameter]], optimizer: MakeOptimizer | None,
+               compute_dtype: torch.dtype | None = None) -> None:
         shards, index = (1, 0) if self.stage == 0 else (self.world, self.rank)
-        self.groups = [FlatGroup(ps, [self.name_of[p] for p in ps], shards, index, self.stage) for ps in param_lists]
+        self.groups = [FlatGroup(ps, [self.name_of[p] for p in ps], shards, index, self.stage, compute_dtype)
+                       for ps in param_lists]
         self.group_of = {p: g for g in self.groups for p in g.params}
         make = optimizer if optimizer is not None else torch.optim.AdamW
         self.optimizer = make([g.master for g in self.groups])
@@ -306,11 +374,14 @@ class ZeroOptimizer:
         The whole gradients are copied into one padded flat tensor and released at once: from
         here on this rank holds just its shard of them.
         """
-        pad = group.full.new_zeros(self.world * group.shard_numel - group.numel)
-        flat = torch.cat([p.grad.reshape(-1) for p in group.params] + [pad])   # (N*S,)
+        flat = group.grad.new_zeros(self.world * group.shard_numel)          # (N*S,), padded with zeros
+        for p, offset in zip(group.params, group.offsets):
+            # In the gradient shard's dtype: with a compute dtype (Zero3) the bf16 gradients are cast up to
+            # fp32 before they are summed, so the sum over the ranks is not rounded to bf16.
+            flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
         for p in group.params:
             p.grad = None
-        flat.div_(self.world)           # divide before summing, as DDP does: a bf16 sum cannot overflow
+        flat.div_(self.world * self.replicas)   # divide before summing, as DDP does: a bf16 sum cannot overflow
         self._wait_pending()            # one reduce-scatter in flight at a time
         shard = flat.new_empty(group.shard_numel)
         work = comm.reduce_scatter(shard, flat, self.group, async_op=True)
@@ -322,6 +393,8 @@ class ZeroOptimizer:
         if self._pending is not None:
             work, group, shard, _ = self._pending
             work.wait()
+            if self.replicate_group is not None:    # HSDP: add the other shard groups' sums of this shard
+                comm.all_reduce(shard, self.replicate_group)
             group.grad.add_(shard)      # accumulate: one addition per micro-batch
             self._pending = None
 
@@ -337,7 +410,7 @@ class ZeroOptimizer:
         if self.stage in (0, 1):
             self._reattach_grad_views()
             for g in self.groups:
-                g.grad.div_(self.world)
+                g.grad.div_(self.world * self.replicas)
             if self.stage == 0:
                 comm.wait_all([comm.all_reduce(g.grad, self.group, async_op=True) for g in self.groups])
                 averaged = [g.grad for g in self.groups]
@@ -345,6 +418,8 @@ class ZeroOptimizer:
                 averaged = [g.grad.new_empty(g.shard_numel) for g in self.groups]
                 comm.wait_all([comm.reduce_scatter(shard, g.grad, self.group, async_op=True)
                                for shard, g in zip(averaged, self.groups)])
+                if self.replicate_group is not None:     # HSDP: and over the replicas holding the same shard
+                    comm.wait_all([comm.all_reduce(shard, self.replicate_group, async_op=True) for shard in averaged])
         else:
             self._wait_pending()
             for i, g in enumerate(self.groups):
@@ -381,7 +456,8 @@ class ZeroOptimizer:
 
         picotron.parallel.grad_norm's rule, for a gradient kept in flat shards: each rank holds 1/N
         of it (stages 1-3), so the squared norms of the shards add up over the group, one 4-byte
-        all-reduce. A model split another way too passes `counted` (grad_norm.counted_here) and
+        all-reduce (HSDP: over the shard group; its replicas hold the same squares). A model split
+        another way too passes `counted` (grad_norm.counted_here) and
         the group over which the squares add up (the whole world).
         """
         squares = self.gradient_squares(counted)

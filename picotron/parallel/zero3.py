@@ -12,8 +12,18 @@ full buffer exists only around the unit's forward and again around its backward.
     after backward    reduce-scatter the unit's gradient into this rank's shard, free them
 
 Memory per rank (2Psi + 2Psi + 12Psi)/N in bf16-mixed, plus the units gathered at a time;
-communication per step one all-gather more than ZeRO-1/2 (3Psi instead of 2Psi). Playbook,
+communication per step one all-gather more than ZeRO-1/2 (three copies of the parameters instead
+of two: 6Psi bytes in bf16 instead of 4Psi). Playbook,
 "ZeRO (Zero Redundancy Optimizer)". Chapter: chapters/03_zero.ipynb.
+
+Two options shape what travels, as FSDP2's do:
+
+    compute_dtype=torch.bfloat16   fp32 parameters stay the masters, sharded; the all-gathers move
+                                   bf16 casts of the shards (half the bytes) and forward and backward
+                                   compute in bf16; the gradients are cast up and reduce-scattered in
+                                   fp32 (FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))
+    replicate_group=...            HSDP: shard within `group`, replicate across this group
+                                   (picotron/parallel/hsdp.py)
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from picotron import comm
-from picotron.parallel.zero import FlatGroup, MakeOptimizer, ZeroOptimizer
+from picotron.parallel.zero import FlatGroup, MakeOptimizer, ZeroOptimizer, check_compute_dtype
 
 __all__ = ["Zero3", "llama_units"]
 
@@ -92,15 +102,30 @@ class Zero3(ZeroOptimizer):
         starts computing, in forward and in backward, so communication hides behind compute;
         False gathers each unit only when it is needed (the chapter times both).
     optimizer: as for ZeroOptimizer. Full recomputation works too: a unit recomputed
-    inside backward is already gathered.
+        inside backward is already gathered.
+    compute_dtype: torch.bfloat16 or torch.float16 for a model in fp32: the fp32 shards are the
+        masters the optimizer steps; each gather casts this rank's shard to the compute dtype and
+        all-gathers that (half the bytes of fp32), so the model's parameters are bf16 while gathered
+        and forward and backward compute in bf16; each bf16 gradient is cast up to fp32 before the
+        reduce-scatter, which sums and keeps fp32 gradient shards. None: compute in the model's dtype.
+    replicate_group: HSDP, as for ZeroOptimizer: `group` is the shard group, and each reduced
+        gradient shard is all-reduced over the replicas.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, *,
                  units: list[list[nn.Module]] | None = None, prefetch: bool = True,
-                 optimizer: MakeOptimizer | None = None):
-        self._setup(model, group, 3)
+                 optimizer: MakeOptimizer | None = None, compute_dtype: torch.dtype | None = None,
+                 replicate_group: dist.ProcessGroup | None = None):
+        if compute_dtype is not None:
+            check_compute_dtype(compute_dtype, 3)
+            dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+            if dtypes != ["float32"]:
+                raise ValueError(f"compute_dtype={compute_dtype} needs the model in fp32 (its parameters become the "
+                                 f"fp32 masters), but they are {', '.join(dtypes)}: build it in fp32")
+        self._setup(model, group, 3, replicate_group)
         self.units = units if units is not None else llama_units(model)
-        self._build(_unit_params(model, self.units), optimizer)
+        self.compute_dtype = compute_dtype
+        self._build(_unit_params(model, self.units), optimizer, compute_dtype)
         self.prefetch = prefetch
         self._forward_ends: list[int] = []      # units in the order their forward ended: backward reverses it
         self.gathered_bytes = sum(g.full.untyped_storage().nbytes() for g in self.groups)   # built whole
@@ -122,14 +147,16 @@ class Zero3(ZeroOptimizer):
         g.full.untyped_storage().resize_(nbytes)
         self.gathered_bytes += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        g.work = comm.all_gather(g.full, g.shard, self.group, async_op=True)
+        # With a compute dtype the shard is cast first: what travels is bf16, half the bytes (kept until done).
+        g.gather_input = g.shard if g.shard.dtype == g.full.dtype else g.shard.to(g.full.dtype)
+        g.work = comm.all_gather(g.full, g.gather_input, self.group, async_op=True)
 
     def _gather(self, g: FlatGroup) -> None:
         """Make the unit's parameters whole: wait for a prefetch, or gather now."""
         self._start_gather(g)
         if g.work is not None:
             g.work.wait()
-            g.work = None
+            g.work = g.gather_input = None
             for p, view in zip(g.params, g.views):
                 p.data = view
             g.gathered = True
