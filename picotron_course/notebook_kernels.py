@@ -1,7 +1,7 @@
-"""The harness chapter 09 runs, times and draws: the timer, the measured roofline of this machine, the kernel
-cut out of torch.compile's generated code, the bytes autograd keeps for backward, two models trained side by
-side, and the chapter's figures (memory levels, rooflines, waves, coalescing, softmax times, causal tiles,
-attention traffic, achieved bandwidth).
+"""The harness chapter 09 runs, times and draws: the rounding counts of its proofs, the timer, the measured
+roofline of this machine, the kernel cut out of torch.compile's generated code, the bytes autograd keeps for
+backward, two models trained side by side, and the chapter's figures (memory levels, rooflines, waves,
+coalescing, softmax times, causal tiles, attention traffic, achieved bandwidth).
 
 None of it is the technique: the kernels are in picotron/kernels/, and their key code is printed in the
 chapter. A chapter cell calls one of these, then `plt.show()`:
@@ -16,7 +16,8 @@ import torch
 
 from picotron_course.notebook import caption
 
-__all__ = ["seconds", "measure_machine", "generated_kernel", "saved_bytes", "train_side_by_side",
+__all__ = ["seconds", "measure_machine", "generated_kernel", "saved_bytes", "train_side_by_side", "rmsnorm_roundings",
+           "lm_head_loss_roundings",
            "memory_levels_figure", "roofline_figure", "measured_roofline_figure", "waves_figure",
            "coalescing_figure", "softmax_time_figure", "causal_tiles_figure", "attention_traffic_figure",
            "gpu_bandwidth_figure", "without_triton"]
@@ -26,6 +27,23 @@ def without_triton(what: str, where: str) -> None:
     """What a cell that runs a Triton kernel prints where triton is not installed (macOS, Windows outside WSL)."""
     print(f"Skipped here: {what} needs triton, which is built for Linux only. Read the code in {where}; on Linux, "
           "in WSL or on Colab this cell runs it.")
+
+
+# ---- rounding counts (picotron.tolerance's n) ----------------------------------------------------------
+def rmsnorm_roundings(width: int, rows: int, of: str = "output") -> int:
+    """n of picotron.tolerance for one value of an RMSNorm over rows of `width` values, `rows` rows in all:
+    the output is behind the mean of `width` squares ("output"); dx adds backward's sum over the row again
+    ("dx": 2 width); dw adds the sum over the rows ("dw": width + rows)."""
+    counts = {"output": width, "dx": 2 * width, "dw": width + rows}
+    if of not in counts:
+        raise ValueError(f"of={of!r}: choose one of {sorted(counts)}")
+    return counts[of]
+
+
+def lm_head_loss_roundings(hidden: int, vocab: int, tokens: int) -> int:
+    """n of picotron.tolerance for the loss, dx and dW of cross_entropy(x W^T): a logit is a sum over `hidden`
+    (forward, and again in backward), the log-sum-exp a sum over the `vocab`, dW a sum over the `tokens`."""
+    return 2 * hidden + vocab + tokens
 
 
 # ---- timing and measuring ----------------------------------------------------------------------

@@ -35,7 +35,28 @@ import math
 
 import torch
 
-__all__ = ["FlashAttention2", "flash_attention_torch"]
+__all__ = ["FlashAttention2", "flash_attention_torch", "attention_roundings"]
+
+
+def attention_roundings(head_dim: int, keys: int, of: str = "output") -> int:
+    """How many roundings stand behind one value attention computes: the `n` of picotron.tolerance's bound
+    C sqrt(n) u scale, for comparing two attention implementations (docs/design.md, "Equivalence and tolerances"),
+    counted along the chain as that policy adds lengths up.
+
+    of="lse"       a score q.k is a sum over head_dim, the log-sum-exp a sum over the keys: head_dim + keys
+    of="output"    the softmax's sum and P V are two sums over the keys: head_dim + 2 keys
+    of="gradient"  dQ, dK, dV: backward recomputes the output's chain, then dP = dO V^T and rowsum(dO * O) are
+                   sums over head_dim (together another output's worth: 2 (head_dim + 2 keys)), and each gradient
+                   ends with one more sum over the keys or the queries (dQ = dS K, dK = dS^T Q, dV = P^T dO;
+                   `keys` stands for both, as in self-attention): 2 (head_dim + 2 keys) + keys
+    """
+    if of == "lse":
+        return head_dim + keys
+    if of == "output":
+        return head_dim + 2 * keys
+    if of == "gradient":
+        return 2 * (head_dim + 2 * keys) + keys
+    raise ValueError(f"of={of!r}: choose 'lse', 'output' or 'gradient'")
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
