@@ -11,6 +11,10 @@ turns the executed notebook into one page with its images inline. docs/benchmark
 docs/design.md and docs/glossary.md become pages too: chapters cite the first for what only a GPU can
 measure.
 
+Formulas ($...$ and $$...$$ in markdown cells and docs pages) become MathML here, at build time,
+which browsers render natively: the pages need no script and no network to show them. A formula
+that does not convert stops the build with one line naming the page and the formula.
+
 A chapter that fails still gets its page, which shows the error; the index marks it "failed"
 and the command exits 1 once everything is built. Exercise and solution notebooks are linked,
 not rendered: they are meant to be opened in Jupyter and worked in, and unexecuted they would
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib.util
 import json
 import os
 import re
@@ -46,6 +51,10 @@ STYLE = """<style>
 .course-box { font: 14px sans-serif; margin: 12px 16px; padding: 8px 12px; border-left: 4px solid #2563eb;
               background: #eff6ff; }
 .course-box.failed { border-color: #dc2626; background: #fef2f2; }
+/* MathML: a font with an OpenType MATH table stretches braces, roots and sums; without one they stay small */
+math { font-family: "Latin Modern Math", "STIX Two Math", "Cambria Math", math; font-size-adjust: 0.5; }
+math[display="block"] { margin: 0.6em 0; overflow-x: auto; overflow-y: hidden; }
+menclose[notation~="box"] { border: 1px solid currentColor; padding: 0 0.2em; }  /* TeX's boxed: not in MathML Core */
 </style>
 """
 
@@ -104,15 +113,143 @@ def title_and_summary(nb, fallback: str) -> tuple[str, str]:
 
 
 def _plain(markdown: str) -> str:
-    """Markdown emphasis, code marks and links reduced to their text, for a one-line summary."""
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", markdown)
-    return re.sub(r"[*_`]{1,3}(?=\S)|(?<=\S)[*_`]{1,3}", "", text)
+    """Markdown emphasis, code marks and links reduced to their text, for a one-line summary.
+
+    Formulas ($...$) stay as they are (their _ and * are TeX), for the index to turn into MathML.
+    """
+    def plain(text: str) -> str:
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+        return re.sub(r"[*_`]{1,3}(?=\S)|(?<=\S)[*_`]{1,3}", "", text)
+
+    parts, end = [], 0
+    for m in _INLINE_MATH.finditer(markdown):
+        parts += [plain(markdown[end:m.start()]), m.group(0)]
+        end = m.end()
+    return "".join(parts) + plain(markdown[end:])
 
 
 def _shorten(text: str) -> str:
+    """`text` cut at a space to SUMMARY_CHARS, before a formula rather than inside it."""
     if len(text) <= SUMMARY_CHARS:
         return text
-    return text[:SUMMARY_CHARS].rsplit(" ", 1)[0].rstrip(",;:") + " …"
+    inside = [m.start() for m in _INLINE_MATH.finditer(text) if m.start() < SUMMARY_CHARS < m.end()]
+    head = text[:inside[0]].rstrip() if inside else text[:SUMMARY_CHARS].rsplit(" ", 1)[0]
+    return head.rstrip(",;:") + " …"
+
+
+# ---- formulas: TeX to MathML when the site is built ---------------------------------------------
+# Inline math is $...$ as in Jupyter, with two of pandoc's rules so that dollars in prose stay text:
+# the opening $ is not followed by a space and the closing $ not by a digit ("$5 and $10" is prose).
+# A formula holds no backtick and no unescaped $, so it cannot run into a code span. A literal
+# dollar next to a formula is written \$, which Jupyter shows as $ too.
+INLINE_MATH = r"(?s:(?<![$\\])\$(?![\s$])(?P<math_inline_tex>(?:\\.|[^$`\\])+?)\$(?!\d))"
+_INLINE_MATH = re.compile(INLINE_MATH)
+_UNCONVERTED = re.compile(r">[^<]*(\\[A-Za-z]*)[^<]*<")  # a TeX command latex2mathml passed through as text
+# x' as latex2mathml writes it, a prime in a superscript: browsers raise it twice (the glyph is raised already)
+_PRIMED = re.compile(r"<msup>(<m[in]>[^<]*</m[in]>)<m[io]>(&#x0203[234];|[\u2032-\u2034])</m[io]></msup>")
+
+
+class FormulaError(ValueError):
+    """A formula latex2mathml cannot turn into MathML; the caller adds the page it is on."""
+
+
+def tex_to_mathml(tex: str, display: bool = False) -> str:
+    r"""One formula as a <math> element, or FormulaError naming it.
+
+    latex2mathml raises on some malformed TeX, but it copies a command it does not know (\foo) into
+    the MathML as text, drops an environment it does not know (\begin{aligned}) and closes a missing
+    brace: the reader would see a wrong formula. All of these are errors here.
+    """
+    from latex2mathml.converter import convert
+
+    shown = " ".join(tex.split())
+    shown = f"$${shown}$$" if display else f"${shown}$"
+    shown = shown if len(shown) <= 100 else shown[:97] + "..."
+    depth = 0
+    for brace in re.findall(r"\\.|[{}]", tex):  # latex2mathml closes a missing } silently, and drops a stray one
+        depth += {"{": 1, "}": -1}.get(brace, 0)
+        if depth < 0:
+            break
+    if depth:
+        raise FormulaError(f"the formula {shown} has unbalanced braces {{ }}; fix its TeX")
+    try:
+        mathml = convert(tex.strip(), display="block" if display else "inline")
+    except Exception as e:  # latex2mathml's own exceptions, and IndexError/KeyError on some bad input
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}"
+        raise FormulaError(f"the formula {shown} does not convert to MathML ({reason}); fix its TeX") from None
+    environments = re.findall(r"\\begin\s*\{([^}]*)\}", tex)
+    if len(environments) > mathml.count("<mtable"):  # each one it knows becomes a table
+        raise FormulaError(f"the formula {shown} does not convert to MathML (an environment latex2mathml does "
+                           f"not know, of {', '.join(environments)}); use cases, array or a matrix")
+    unknown = _UNCONVERTED.search(mathml)
+    if unknown:
+        raise FormulaError(f"the formula {shown} does not convert to MathML (latex2mathml does not know "
+                           f"{unknown.group(1)}); write it with commands it knows")
+    return _PRIMED.sub(r"<mrow>\1<mi>\2</mi></mrow>", mathml)
+
+
+def _markdown_renderer(**options):
+    """nbconvert's markdown renderer with formulas written as MathML instead of left for MathJax."""
+    from nbconvert.filters.markdown_mistune import IPythonRenderer
+
+    class MathMLRenderer(IPythonRenderer):
+        def inline_math(self, body: str) -> str:
+            return tex_to_mathml(body)
+
+        def block_math(self, body: str) -> str:
+            return tex_to_mathml(body, display=True)
+
+        def latex_environment(self, name: str, body: str) -> str:
+            return tex_to_mathml(f"\\begin{{{name}}}{body}\\end{{{name}}}", display=True)
+
+        def multiline_math(self, text: str) -> str:  # mistune 2: `text` is display math already rendered inline
+            return text
+
+    return MathMLRenderer(escape=False, **options)
+
+
+def markdown_to_html(text: str, **options) -> str:
+    """Markdown, with its formulas in MathML, as HTML (nbconvert's markdown: tables, raw HTML, anchors).
+
+    `options` go to nbconvert's IPythonRenderer (embed_images, path, attachments, anchor links).
+    """
+    from nbconvert.filters import markdown_mistune
+    from nbconvert.filters.markdown_mistune import MarkdownWithMath, MathInlineParser
+
+    mistune_3 = getattr(markdown_mistune, "MISTUNE_V3", False)  # nbconvert < 7.3 knows only mistune 2
+
+    class InlineParser(MathInlineParser):
+        INLINE_MATH_TEX = INLINE_MATH                                     # mistune 2 reads the rule here
+        if mistune_3:
+            SPECIFICATION = {**MathInlineParser.SPECIFICATION, "inline_math_tex": INLINE_MATH}
+
+    renderer = _markdown_renderer(**options)
+    inline = InlineParser(hard_wrap=False) if mistune_3 else InlineParser(renderer, hard_wrap=False)
+    return MarkdownWithMath(renderer=renderer, inline=inline).render(text)
+
+
+def text_to_html(text: str) -> str:
+    """Plain text with $...$ formulas (a title, a summary) as HTML: the text escaped (\\$ a dollar, as in
+    markdown), the formulas MathML."""
+    def prose(text: str) -> str:
+        return html.escape(text.replace("\\$", "$"))
+
+    parts, end = [], 0
+    for m in _INLINE_MATH.finditer(text):
+        parts += [prose(text[end:m.start()]), tex_to_mathml(m.group("math_inline_tex"))]
+        end = m.end()
+    return "".join(parts) + prose(text[end:])
+
+
+def check_formulas(nb, where: Path) -> None:
+    """Convert every formula of `nb`'s markdown cells now, so that a bad one stops the build before
+    any chapter runs, with the notebook and the cell it is in."""
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            try:
+                markdown_to_html(cell.source)
+            except FormulaError as e:
+                raise FormulaError(f"{where}, markdown cell {i}: {e}") from None
 
 
 # ---- executing one chapter ---------------------------------------------------------------------
@@ -169,10 +306,11 @@ def _this_interpreter_kernel():
 def chapter_page(nb, chapter: Chapter, previous: Chapter | None, following: Chapter | None,
                  root: Path, out: Path) -> str:
     """nbconvert's page for `nb`, with navigation, the benchmarks box and, if it failed, the error."""
-    from nbconvert import HTMLExporter
-
     resources = {"metadata": {"name": chapter.title, "path": str(chapter.path.parent)}}  # path: for embed_images
-    page, _ = HTMLExporter(embed_images=True).from_notebook_node(nb, resources=resources)
+    try:
+        page, _ = _exporter().from_notebook_node(nb, resources=resources)
+    except FormulaError as e:  # check_formulas has seen the markdown cells: this is a text/markdown output
+        raise FormulaError(f"{chapter.path}, an output: {e}") from None
     page = _relink(page, chapter.path.parent, chapter.path.parent, root, out)
     top = _nav(previous, following)
     if chapter.error:
@@ -187,6 +325,33 @@ def chapter_page(nb, chapter: Chapter, previous: Chapter | None, following: Chap
         raise RuntimeError("nbconvert's page has no <body> tag; the navigation has nowhere to go")
     end = page.rfind("</body>")
     return page[:end] + _nav(previous, following, "bottom") + page[end:]
+
+
+# nbconvert's "lab" page without its MathJax <script> (a CDN, so nothing rendered offline): the formulas
+# are MathML already.
+_TEMPLATE = "picotron_course_page.html.j2"
+_TEMPLATE_SOURCE = ("{%- extends 'index.html.j2' -%}\n"
+                    "{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}\n")
+
+
+def _exporter():
+    """nbconvert's HTMLExporter with images inline, formulas as MathML (markdown cells and text/markdown
+    outputs, which go through its markdown2html filter) and no MathJax."""
+    import jinja2
+    from nbconvert import HTMLExporter
+
+    class MathMLExporter(HTMLExporter):
+        @jinja2.pass_context
+        def markdown2html(self, context, source):
+            cell = context.get("cell", {})
+            return markdown_to_html(source, attachments=cell.get("attachments", {}), embed_images=self.embed_images,
+                                    path=context.get("resources", {}).get("metadata", {}).get("path", ""),
+                                    anchor_link_text=self.anchor_link_text,
+                                    exclude_anchor_links=self.exclude_anchor_links,
+                                    **getattr(self, "lexer_options", {}))  # nbconvert >= 7.3
+
+    return MathMLExporter(embed_images=True, template_file=_TEMPLATE,
+                          extra_loaders=[jinja2.DictLoader({_TEMPLATE: _TEMPLATE_SOURCE})])
 
 
 def _site_href(href: str, source_dir: Path, chapters_dir: Path, root: Path, out: Path) -> str:
@@ -215,19 +380,20 @@ def _relink(page: str, source_dir: Path, chapters_dir: Path, root: Path, out: Pa
 def _nav(previous: Chapter | None, following: Chapter | None, where: str = "top") -> str:
     back = ahead = "<span></span>"  # keeps "index" centred at the first and the last chapter
     if previous:
-        back = f'<a href="{previous.name}.html">&larr; {html.escape(previous.title)}</a>'
+        back = f'<a href="{previous.name}.html">&larr; {text_to_html(previous.title)}</a>'
     if following:
-        ahead = f'<a href="{following.name}.html">{html.escape(following.title)} &rarr;</a>'
+        ahead = f'<a href="{following.name}.html">{text_to_html(following.title)} &rarr;</a>'
     return f'<nav class="course-nav {where}">{back}<a href="index.html">index</a>{ahead}</nav>\n'
 
 
 def markdown_page(path: Path, chapters_dir: Path, root: Path, out: Path) -> str:
     """A docs/*.md file as a standalone page (mistune, through nbconvert)."""
-    from nbconvert.filters import markdown2html
-
     text = path.read_text()
     title = next((line.lstrip("#").strip() for line in text.split("\n") if line.startswith("#")), path.stem)
-    body = _relink(markdown2html(text), path.parent, chapters_dir, root, out)
+    try:
+        body = _relink(markdown_to_html(text), path.parent, chapters_dir, root, out)
+    except FormulaError as e:
+        raise FormulaError(f"{path}: {e}") from None
     return _standalone(title, f'<nav class="course-nav"><a href="index.html">index</a></nav>\n'
                               f'<main>{body}</main>')
 
@@ -236,12 +402,15 @@ def index_page(chapters: list[Chapter], built: set[str], out: Path, root: Path, 
     """The table of contents: title, summary, time to execute, and links to the notebooks on disk."""
     rows = []
     for chapter in chapters:
-        title = html.escape(chapter.title)
+        try:
+            title, summary = text_to_html(chapter.title), text_to_html(chapter.summary)
+        except FormulaError as e:
+            raise FormulaError(f"{chapter.path}, its title or first paragraph (the index shows them): {e}") from None
         link = f'<a href="{chapter.name}.html">{title}</a>' if chapter.name in built else title
         notebooks = [root / folder / chapter.path.name for folder in ("exercises", "solutions")]
         notebooks = " · ".join(f'<a href="{_relative(path, out)}">{path.parent.name[:-1]}</a>'
                                for path in notebooks if path.is_file())
-        rows.append(f"<tr><td>{link}<br><small>{html.escape(chapter.summary)}</small></td>"
+        rows.append(f"<tr><td>{link}<br><small>{summary}</small></td>"
                     f"<td>{_status(chapter, chapter.name in built, executed)}</td><td>{notebooks}</td></tr>")
     labels = (("benchmarks", "what GPUs measured"), ("design", "design notes"), ("glossary", "glossary and notation"))
     docs = [f'{label}: <a href="{name}.html">docs/{name}.md</a>' for name, label in labels
@@ -279,6 +448,8 @@ table {{ border-collapse: collapse; }}
 th, td {{ border: 1px solid #ddd; padding: 6px 10px; text-align: left; vertical-align: top; }}
 pre {{ background: #f6f8fa; padding: 8px; overflow-x: auto; }}
 .failed {{ color: #b91c1c; }}
+a.anchor-link {{ visibility: hidden; text-decoration: none; padding-left: 0.2em; }}  /* the heading's ¶: on hover */
+:is(h1, h2, h3, h4, h5, h6):hover > a.anchor-link {{ visibility: visible; }}
 </style></head>
 <body>
 {body}
@@ -292,7 +463,12 @@ def build(root: Path, out: Path, chapters_dir: Path | None = None, only: list[st
     """Write out/index.html, one page per chapter built, and the docs pages; return the chapters built."""
     chapters_dir = chapters_dir or root / "chapters"
     paths = find_chapters(chapters_dir, only)
+    if importlib.util.find_spec("latex2mathml") is None:
+        raise ValueError("the site writes its formulas as MathML with latex2mathml, which is not installed: "
+                         "pip install -e '.[dev]' (or pip install 'latex2mathml>=3.66')")
     everything = [_read(path) for path in sorted(chapters_dir.glob(CHAPTER_GLOB))]  # bad input fails here
+    for path in paths:  # and a formula that does not convert, before any chapter runs
+        check_formulas(_load(path), path)
     out.mkdir(parents=True, exist_ok=True)
     for name in DOCS:
         source = root / "docs" / f"{name}.md"

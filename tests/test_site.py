@@ -1,11 +1,15 @@
 """The course site: a real chapter executed and rendered, and a synthetic failing one that must not stop the build.
 
 Chapter 00 is the fastest chapter (about 25 s on 2 CPU cores); the synthetic notebooks take a
-few seconds each, most of it starting their kernel.
+few seconds each, most of it starting their kernel. The formula tests render every page of the
+course without executing it (about 10 s): no raw TeX may be left outside code, and no MathJax.
 """
 
+import html
 import json
+import re
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import nbformat
@@ -104,3 +108,153 @@ def test_title_and_summary():
     summary = site.title_and_summary(long, "fallback")[1]
     assert len(summary) <= site.SUMMARY_CHARS + 2 and summary.endswith(" …")
     assert site.title_and_summary(nbformat.v4.new_notebook(), "fallback") == ("fallback", "")
+
+
+# ---- formulas: MathML when the site is built, nothing left for a script ------------------------
+class _Text(HTMLParser):
+    """The text of an HTML page outside <code>, <pre>, <math>, <script>, <style> and <head>, and the
+    text inside <math> separately: a reader sees the first as typed, the second as a formula."""
+
+    SKIP = {"code", "pre", "script", "style", "head", "math"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.open, self.prose, self.math = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.SKIP:
+            self.open.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in self.open:
+            del self.open[len(self.open) - 1 - self.open[::-1].index(tag):]   # up to its matching start
+
+    def handle_data(self, data):
+        if not self.open:
+            self.prose.append(data)
+        elif self.open == ["math"]:
+            self.math.append(data)
+
+
+# What raw TeX looks like in prose: a $...$ or $$...$$ span (opening $ before a non-space, closing
+# $ not before a digit, as site.INLINE_MATH: "$5 and $10" is prose), a command (\frac, \Psi, \,),
+# \( \[ delimiters, or a script with braces (2^{-8}, N_{kv}).
+RAW_TEX = re.compile(r"\$\$.+?\$\$|\$(?![\s$])[^$]{1,300}?\$(?!\d)|\\[A-Za-z]+|\\[,;!()\[\]{}]|[\^_]\{", re.DOTALL)
+
+
+DISPLAY_MATH = re.compile(r'<math [^>]*display="block"')
+
+
+def raw_tex(page: str) -> list[str]:
+    """Raw TeX a reader of `page` would see: in its prose, or a command latex2mathml let through
+    into a <math> element as text."""
+    parser = _Text()
+    parser.feed(page)
+    found = RAW_TEX.findall("".join(parser.prose))
+    return found + [text for text in parser.math if "\\" in text]
+
+
+@pytest.fixture(scope="module")
+def course_site(tmp_path_factory):
+    """Every page of the course, rendered without executing the chapters (a few seconds)."""
+    out = tmp_path_factory.mktemp("course_site")
+    assert site.main(["--root", str(ROOT), "--out", str(out), "--no-execute"]) == 0
+    return out
+
+
+def test_every_formula_of_the_course_is_mathml(course_site):
+    pages = sorted(course_site.glob("*.html"))
+    chapters = sorted(path.stem for path in (ROOT / "chapters").glob(site.CHAPTER_GLOB))
+    assert {path.stem for path in pages} == {"index", *site.DOCS, *chapters}
+    for path in pages:
+        page = path.read_text()
+        assert raw_tex(page) == [], f"{path.name} shows raw TeX"
+        assert "mathjax" not in page.lower(), f"{path.name} still loads MathJax"
+    formulas = {path.stem: path.read_text().count("<math ") for path in pages}
+    assert formulas["glossary"] >= 100                   # $N$, $\Psi$, $2^{-8}$, ... in its tables
+    assert formulas["index"] >= 1                        # chapter summaries: "use $N$ of them"
+    assert all(formulas[name] >= 20 for name in chapters), formulas
+    zero = (course_site / "03_zero.html").read_text()
+    assert DISPLAY_MATH.search((course_site / "01_memory.html").read_text())   # its $$A_\text{layer} = ...$$
+    assert "<mi>Ψ</mi>" in html.unescape(zero)           # \Psi
+    assert "<mfrac>" in zero                             # \frac
+
+
+def test_the_detector_sees_raw_tex():
+    seen = lambda body: raw_tex(f"<html><head><title>$x$</title></head><body>{body}</body></html>")  # noqa: E731
+    for raw in ("bytes $2\\Psi$ sent", "$$\\frac{a}{b}$$", "a \\Psi alone", "2^{-8}", "\\(x\\)", "a $N$ b",
+                "$x<em>y</em>z$", "<p>$x$</p>", "<math><mi>\\foo</mi></math>"):
+        assert seen(raw), raw
+    for clean in ("costs $5 and $10", "<code>$HOME \\frac</code>", "<pre>echo $A $B</pre>",
+                  '<math display="inline"><mi>N</mi></math>', "a lone $ sign", "<script>let s = '$x$'</script>"):
+        assert seen(clean) == [], clean
+
+
+def test_formulas_prose_dollars_code_and_a_bad_formula(tmp_path, capsys):
+    for folder in ("chapters", "docs"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "docs" / "glossary.md").write_text(
+        "# Glossary\n\n| symbol | meaning |\n| --- | --- |\n| $\\Psi$ | parameters, $2\\Psi$ bytes in bf16 |\n\n"
+        "Prose keeps its dollars: it costs $5 and $10.\n\nNext to a formula one is written \\$3, as $x$.\n\n"
+        "    export N=$WORLD_SIZE   # $x$ in an indented block\n\n"
+        "```bash\necho \"$HOME $PATH\"\n```\n\nCode `$x$` and `a $b` stay.\n\n$$\\frac{N-1}{N}\\,S$$\n")
+    _notebook(tmp_path / "chapters" / "00_sums.ipynb",
+              nbformat.v4.new_markdown_cell("# 00 · Sums over $N$ ranks\n\nA ring sends $2(N-1)/N \\cdot S$ bytes, "
+                                            "less than $2S$.\n\n$$T = \\alpha + \\frac{S}{W}$$"),
+              nbformat.v4.new_code_cell("print('$x$ costs $5')"))
+    assert site.main(["--root", str(tmp_path), "--no-execute"]) == 0
+    out = tmp_path / "site"
+    for name in ("glossary", "00_sums", "index"):
+        page = (out / f"{name}.html").read_text()
+        assert raw_tex(page) == [], name
+        assert "<math " in page, name
+    glossary = (out / "glossary.html").read_text()
+    assert "it costs $5 and $10.</p>" in glossary and "written $3, as <math" in glossary
+    assert "$WORLD_SIZE   # $x$ in an indented block" in glossary
+    assert '<span class="nv">$HOME</span>' in glossary                 # fenced code, highlighted
+    assert "<code>$x$</code>" in glossary and "<code>a $b</code>" in glossary
+    assert len(DISPLAY_MATH.findall(glossary)) == 1 and "<mfrac>" in glossary
+    index = (out / "index.html").read_text()
+    assert ">00 · Sums over <math" in index                       # the title, and the summary
+    assert "A ring sends <math" in index and "less than <math" in index
+    chapter = (out / "00_sums.html").read_text()
+    assert "print(&#39;$x$ costs $5&#39;)" in chapter or "$x$ costs $5" in chapter   # code as typed
+
+    # A formula latex2mathml cannot convert stops the build: one line, the page, the formula.
+    (tmp_path / "docs" / "glossary.md").write_text("# Glossary\n\nAn unknown command: $\\foo{x} + 1$.\n")
+    assert site.main(["--root", str(tmp_path), "--no-execute"]) == 2
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith(f"{tmp_path / 'docs' / 'glossary.md'}: the formula $\\foo{{x}} + 1$ does not")
+    assert "\\foo" in printed[-1]
+    (tmp_path / "docs" / "glossary.md").write_text("# Glossary\n")
+    _notebook(tmp_path / "chapters" / "01_broken.ipynb", nbformat.v4.new_markdown_cell("# 01 · Broken"),
+              nbformat.v4.new_markdown_cell("Display:\n\n$$\\frac{1}{2$$"))
+    assert site.main(["--root", str(tmp_path), "--no-execute"]) == 2
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith(f"{tmp_path / 'chapters' / '01_broken.ipynb'}, markdown cell 1: the formula "
+                                  "$$\\frac{1}{2$$ has unbalanced braces"), printed[-1]
+
+
+@pytest.mark.parametrize("tex, why", [
+    (r"\foo{x}", r"does not know \foo"),                       # latex2mathml would show "\foo" as text
+    (r"\frac{1}{2", "unbalanced braces"),                      # ... and close the brace itself
+    (r"a}", "unbalanced braces"),                              # ... and drop this one
+    (r"\begin{aligned}a &= b\end{aligned}", "an environment latex2mathml does not know, of aligned"),
+    (r"\left( x", "ExtraLeftOrMissingRightError"),
+    (r"x^", "MissingSuperScriptOrSubscriptError"),
+])
+def test_a_formula_that_does_not_convert_is_an_error(tex, why):
+    with pytest.raises(site.FormulaError, match=re.escape(why)) as error:
+        site.tex_to_mathml(tex)
+    assert str(error.value).startswith(f"the formula ${tex}$ ") and "\n" not in str(error.value)
+    assert "<mtable" in site.tex_to_mathml(r"\begin{cases} a & b \\ c & d \end{cases}", display=True)
+    assert "<mo" in site.tex_to_mathml(r"\{x\} \cup \lceil y \rceil")
+
+
+def test_a_prime_sits_beside_its_letter():
+    # latex2mathml writes m' as <msup>m ′</msup>, and browsers raise the (already raised) prime once more.
+    for tex in ("m'", r"\Psi'", "e^{m - m'}", r"\sum_{r'} g_{r'}", "m''"):
+        mathml = site.tex_to_mathml(tex)
+        assert not re.search(r"<msup><mi>[^<]*</mi><m[io]>(&#x0203[23];|[′″])</m[io]></msup>", mathml), tex
+        assert re.search(r"<mi>(&#x0203[23];|[′″])</mi>", mathml), tex
+    assert "<msup>" in site.tex_to_mathml("m^2")
