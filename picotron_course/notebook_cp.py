@@ -4,13 +4,15 @@ Chapter 05 (chapters/05_context_parallel.ipynb) keeps the technique in front of 
 online softmax, the ring and its backward, the zig-zag layout, a training step. What feeds those
 cells, runs the proofs on ranks, counts the bytes and times the steps lives here:
 
-    attention_inputs, sdpa_reference, attention_roundings, new_model   data and the one-device reference
+    attention_inputs, sdpa_reference, new_model           data and the one-device reference
+    online_softmax_roundings, attention_roundings,        picotron.tolerance's n for the comparisons, each
+    cp_step_roundings                                     counted from the sizes it reads
     layers_activations                                    what the decoder layers keep, per rank (formula)
     idea_figure                                           the ring, and the causal work per rank (section 1)
     worst_error                                           the one-line verdict of a proof on ranks
     ulysses_on_ranks                                      picotron's Ulysses on ranks, shapes recorded (2.5)
     train, prove, proof_rows, show_proof, proof_figure    attention and 20 training steps vs one process (3)
-    measure, step_times                                   work, bytes, activations, step times on ranks (4)
+    measure, step_times                                   work, bytes, activations (and step times) on ranks (4)
     show_work, work_figure, comm_figure, ...              the tables behind SHOW_DETAILS, and the figures (4, 5)
 
 Every function takes its sizes as arguments: the chapter picks them from picotron_course.settings.
@@ -21,6 +23,7 @@ them by reference.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -46,12 +49,28 @@ RANK_COLOURS = [plt.cm.tab10(i) for i in range(4)]
 
 
 # ---- data and the one-device reference -----------------------------------------------------------
+def online_softmax_roundings(row: int, blocks: int) -> int:
+    """n of picotron.tolerance for one probability of a softmax over `row` scores read in `blocks` blocks, against
+    torch.softmax: the sum of the row's exponentials (`row` roundings), and the running sum's rescale by
+    exp(M - M') and the addition of each block's partial sum (one rounding per block)."""
+    return row + blocks
+
+
 def attention_roundings(seq: int, head_dim: int, backward: bool = False) -> int:
     """n of picotron.tolerance for one number of causal attention over `seq` tokens: q.k over head_dim, the
     softmax and P V over the sequence, merges of up to 8 blocks; gradients: as long again, and a key-value
     group's 2 query heads. The bound on a float32 difference in summation order is 8 sqrt(n) u x the largest value."""
     n = head_dim + 2 * seq + 8
     return 2 * n + 2 if backward else n
+
+
+def cp_step_roundings(config, seq: int, batch: int, cp: int) -> int:
+    """n of picotron.tolerance for a weight gradient of one training step on cp ranks, after the all-reduce, against
+    one process on the same `batch` sequences of `seq` tokens: the whole model's sums
+    (picotron.tolerance.llama_roundings: every layer's reductions, forward and backward, and the weight gradient's
+    sum over the batch's tokens), then the all-reduce's sum over the cp ranks. The ring's merges add no more: a
+    row's softmax summed in blocks rounds (block length + number of blocks) times, fewer than its `seq` terms."""
+    return tolerance.llama_roundings(config, seq, batch * seq) + cp
 
 
 def new_model(config):
@@ -396,16 +415,18 @@ def step_times(config, batch: int, seq: int, modes, reps: int = 3) -> dict:
     return times
 
 
-def measure(config, dataset, batch: int, saved_seqs, work_seq: int, timed, timed_batch: int, timed_seq: int) -> dict:
+def measure(config, dataset, batch: int, saved_seqs, work_seq: int, timed=None, timed_batch: int = 0,
+            timed_seq: int = 0) -> dict:
     """On a rank of a cp group: the collectives of a training step in every mode, the bytes one layer keeps at
-    each of `saved_seqs`, the ring's work per rank over `work_seq` tokens, and step times of model `timed`."""
+    each of `saved_seqs`, the ring's work per rank over `work_seq` tokens, and, when `timed` is a model config,
+    the step times of that model ("times" is None otherwise: the chapter times only with SHOW_DETAILS)."""
     mesh = Mesh(cp=dist.get_world_size())
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     return {"comm": {mode: _step_comm(config, dataset, batch, mesh, mode) for mode in CP_MODES},
             "saved": {(mode, seq): layer_saved_bytes(config, batch, mesh, mode, seq)
                       for mode in CP_MODES for seq in saved_seqs},
             "work": {zigzag: _ring_work(work_seq, heads, kv_heads, d, zigzag) for zigzag in (False, True)},
-            "times": step_times(timed, timed_batch, timed_seq, CP_MODES)}
+            "times": step_times(timed, timed_batch, timed_seq, CP_MODES) if timed is not None else None}
 
 
 # ---- section 4.1: work per rank -------------------------------------------------------------------------
@@ -426,24 +447,31 @@ def show_work(measured: dict) -> None:
                   f"{str(flops['forward']):<30}{str(flops['backward']):<30}")
 
 
-def work_figure(measured: dict, replayed: dict, cp: int, work_seq: int, replay_seq: int) -> None:
-    """Counted FLOPs per rank, replayed time per rank, and the imbalance of both layouts against c (formula)."""
-    fig, (ax_flops, ax_time, ax_cp) = plt.subplots(1, 3, figsize=(14, 3.9))
+def work_figure(measured: dict, replayed: dict | None, cp: int, work_seq: int, replay_seq: int) -> None:
+    """Counted FLOPs per rank, replayed time per rank (when `replayed` is given: SHOW_DETAILS), and the imbalance
+    of both layouts against c (formula)."""
+    if replayed is None:
+        fig, (ax_flops, ax_cp) = plt.subplots(1, 2, figsize=(10, 3.9))
+        ax_time = None
+    else:
+        fig, (ax_flops, ax_time, ax_cp) = plt.subplots(1, 3, figsize=(14, 3.9))
     ranks, width = np.arange(cp), 0.38
     for i, zigzag in enumerate((False, True)):
         flops = [rank["work"][zigzag]["forward"]["flops"] / 1e6 for rank in measured[cp]]
         ax_flops.bar(ranks + (i - 0.5) * width, flops, width, color=f"C{i}", alpha=0.8,
                      label=f"{'zig-zag' if zigzag else 'contiguous'}, counted (= formula)")
         ax_flops.axhline(np.mean(flops), color=f"C{i}", ls=":", lw=1.2)
-        ax_time.bar(ranks + (i - 0.5) * width, replayed[zigzag], width, color=f"C{i}", alpha=0.8,
-                    label="zig-zag" if zigzag else "contiguous")
-        ax_time.axhline(np.mean(replayed[zigzag]), color=f"C{i}", ls=":", lw=1.2)
+        if ax_time is not None:
+            ax_time.bar(ranks + (i - 0.5) * width, replayed[zigzag], width, color=f"C{i}", alpha=0.8,
+                        label="zig-zag" if zigzag else "contiguous")
+            ax_time.axhline(np.mean(replayed[zigzag]), color=f"C{i}", ls=":", lw=1.2)
     ax_flops.set(xticks=ranks, xlabel="cp rank", ylabel="attention forward MFLOP per rank",
                  title=f"Work per rank, cp = {cp}, {work_seq} tokens (dotted: mean)")
-    ax_time.set(xticks=ranks, xlabel="cp rank", ylabel="replayed forward time per rank (ms)",
-                title=f"Time per rank, replayed alone, cp = {cp}, {replay_seq} tokens")
     ax_flops.legend(fontsize=7)
-    ax_time.legend(fontsize=7)
+    if ax_time is not None:
+        ax_time.set(xticks=ranks, xlabel="cp rank", ylabel="replayed forward time per rank (ms)",
+                    title=f"Time per rank, replayed alone, cp = {cp}, {replay_seq} tokens")
+        ax_time.legend(fontsize=7)
     cps = 2 ** np.arange(1, 7)
     for i, zigzag in enumerate((False, True)):
         ax_cp.plot(cps, [imbalance([w["flops"] for w in ring_attention_work(1, 4096, 8, 64, int(c), zigzag)])
@@ -454,10 +482,10 @@ def work_figure(measured: dict, replayed: dict, cp: int, work_seq: int, replay_s
     ax_cp.set_xticks(cps, cps)
     ax_cp.minorticks_off()
     ax_cp.legend(fontsize=7)
+    middle = ("" if replayed is None else "Middle: the same work replayed rank by rank (the slowest contiguous rank "
+              f"{max(replayed[False]):.1f} ms, zig-zag {max(replayed[True]):.1f} ms). ")
     caption(fig, "Left: counted FLOPs per rank; contiguous slices give rank r (r + 1) blocks, zig-zag gives every rank "
-            "the same. Middle: the same work replayed rank by rank (the slowest contiguous rank "
-            f"{max(replayed[False]):.1f} ms, zig-zag {max(replayed[True]):.1f} ms). Right: the contiguous ring runs at "
-            "the pace of a rank doing almost twice its share.")
+            f"the same. {middle}Right: the contiguous ring runs at the pace of a rank doing almost twice its share.")
     plt.show()
 
 
@@ -573,14 +601,18 @@ def step_time_figure(step_ms: dict, cps, timed_batch: int, timed_seq: int) -> No
     for i, mode in enumerate(CP_MODES):
         ax.plot(all_cps, [alone] + [step_ms[c, mode] for c in cps], "os^"[i] + "-", color=f"C{i}",
                 label=f"{mode}, measured (slowest rank, median of 3)")
-    ax.axvspan(2.8, 4.4, color="0.93", zorder=-1)
-    ax.text(2.9, 0.97, "more ranks than\nthe 2 CPU cores", fontsize=7, va="top", transform=ax.get_xaxis_transform())
+    cores = os.cpu_count() or 1
+    crowded = [c for c in cps if c > cores]                 # more ranks than this machine has cores
+    if crowded:
+        ax.axvspan(min(crowded) * 0.9, max(crowded) * 1.1, color="0.93", zorder=-1)
+        ax.text(min(crowded) * 0.92, 0.97, f"more ranks than\nthe {cores} CPU cores", fontsize=7, va="top",
+                transform=ax.get_xaxis_transform())
     ax.set(xscale="log", xlabel="context-parallel size c (ranks)", ylabel="time per step (ms)", ylim=(0, None),
            title=f"Training step of TIMED, {timed_batch} x {timed_seq} tokens (gloo, CPU processes)")
     ax.set_xticks(all_cps, all_cps)
     ax.minorticks_off()
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    caption(fig, f"On shared CPU cores: at c = 2 the contiguous ring takes {step_ms[2, 'ring']:.0f} ms, zig-zag "
+    caption(fig, f"On CPU ranks: at c = 2 the contiguous ring takes {step_ms[2, 'ring']:.0f} ms, zig-zag "
             f"{step_ms[2, 'zigzag']:.0f} ms and Ulysses {step_ms[2, 'ulysses']:.0f} ms, against "
             f"{alone:.0f} ms in one process. The ring's unfused blocks and gloo's latency dominate "
             "here; none of these times says much about GPUs.")

@@ -11,6 +11,7 @@ reading path stays idea, key code, proof, measurement:
         train_for_load     tiny-moe trained with and without the balancing loss, the loads recorded
         time_steps         one training step per ep size, split into its phases and timed
     in this process
+        moe_roundings      picotron.tolerance's n for one number of an MoE layer, read from its config
         train_proof        the one-process reference of `prove` (the same function, ep=None)
         summed             collective counts summed over layers, to hold against ep_comm_per_layer
         dropped_fractions  the slots a capacity drops on held-out batches
@@ -45,15 +46,33 @@ from picotron.parallel.tensor_parallel import (apply_tensor_parallel, gather_gra
                                                vocab_parallel_cross_entropy)
 from picotron_course.notebook import caption, max_diff, sync
 
-__all__ = ["ep_moe_vs_plain", "tp_and_ep", "ProofSetup", "train_proof", "prove", "summed", "train_for_load",
+__all__ = ["moe_roundings", "ep_moe_vs_plain", "tp_and_ep", "ProofSetup", "train_proof", "prove", "summed", "train_for_load",
            "dropped_fractions", "time_steps", "expert_params", "draw_dispatch_example", "draw_ep_groups",
            "draw_proof_curves", "draw_margins", "draw_load", "draw_drops", "draw_bytes", "draw_step_times",
            "draw_limits"]
 
 
 def expert_params(config: ModelConfig) -> int:
-    """Parameters in the expert MLPs: E SwiGLU MLPs of 3 h f in every MoE layer."""
+    """Parameters in the expert MLPs: E SwiGLU MLPs of 3 h h_ff in every MoE layer."""
     return config.num_moe_layers * config.num_experts * 3 * config.hidden_size * config.intermediate_size
+
+
+def moe_roundings(config: ModelConfig, tokens: int | None = None) -> int:
+    """n of picotron.tolerance for one number an MoE layer (picotron.model.MoE, sizes from `config`) computes:
+    the float32 roundings that stand between its input and that number, reduction by reduction.
+
+    Forward, one token's output: the router's matmul over h, the softmax over the E logits, the gates'
+    renormalisation over the k chosen, an expert's gate and up projections over h and its down projection
+    over h_ff, and the gate-weighted sum of the k outputs:
+
+        h + E + k + h + h_ff + k
+
+    With `tokens` (forward and backward): backward reduces over the same lengths again, and every weight
+    gradient sums over the tokens that reached it (at most `tokens`): 2 x forward + tokens.
+    """
+    h, experts, k = config.hidden_size, config.num_experts, config.experts_per_token
+    forward = h + experts + k + h + config.intermediate_size + k
+    return forward if tokens is None else 2 * forward + tokens
 
 
 # ---- 2.4-2.5: the chapter's ep_moe and picotron's layer against one device, on every rank -----------
@@ -83,9 +102,7 @@ def ep_moe_vs_plain(ep_moe, layer: ModelConfig, per_rank: int = 10) -> dict:
     x_theirs = x[rank].clone().requires_grad_()
     y_theirs = theirs(x_theirs)
     (y_theirs * grad_out[rank]).sum().backward()
-    # Roundings behind one number (picotron.tolerance): router over h, softmax over E, gates, an expert over h and
-    # f, the top-2 sum; backward as long again; weight gradients summed over every rank's tokens.
-    n = 2 * (2 * layer.hidden_size + layer.num_experts + 4 + layer.intermediate_size) + world * per_rank
+    n = moe_roundings(layer, tokens=world * per_rank)         # weight gradients sum over every rank's tokens
     ours_grads = {(e, i): p.grad for e in local for i, p in enumerate(ours.experts[e].parameters())}
     plain_grads = {(e, i): p.grad for e in local for i, p in enumerate(plain.experts[e].parameters())}
     return {"send": send, "recv": recv, "output": tolerance.compare(y, y_ref[rank], n=n),
@@ -123,7 +140,8 @@ def tp_and_ep(config: ModelConfig) -> dict:
             "experts": sorted({int(n.split(".")[4]) for n in grads if ".experts." in n}),
             "loss": abs(global_loss.item() / 2 - reference.item()),
             "grad": tolerance.compare_all(grads, {n: p.grad for n, p in plain.named_parameters() if n in grads},
-                                          n=tolerance.llama_roundings(config, 16, 4 * 16) + 2)}   # float32 round-off
+                                          # float32 round-off: the model's sums, and the mean over the dp ranks
+                                          n=tolerance.llama_roundings(config, 16, 4 * 16) + mesh.dp_size)}
 
 
 # ---- 3: one layer and training runs, EP against one process ------------------------------------------
@@ -153,7 +171,7 @@ def _layer_vs_one_device(config: ModelConfig, capacity_factor=None) -> dict:
     """picotron's EP layer, balancing loss on, against the plain MoE: on the global batch (dropless), or with a
     capacity against one device run on each rank's tokens in turn (the capacity applies per rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    hidden, experts, top_k = config.hidden_size, config.num_experts, config.experts_per_token
+    hidden = config.hidden_size
     torch.manual_seed(0)
     plain = MoE(dataclasses.replace(config, moe_capacity_factor=capacity_factor))
     layer = ExpertParallelMoE(copy.deepcopy(plain), ExpertParallelGroups.from_group())
@@ -177,9 +195,7 @@ def _layer_vs_one_device(config: ModelConfig, capacity_factor=None) -> dict:
     ((y * grad_out[rank]).sum() + aux).backward()
     grads = _grads_of(layer)
     dist.all_reduce(grads["router.weight"])                     # replicated: the sum of every rank's part
-    # Roundings behind one number of the layer (picotron.tolerance): router over h, softmax over E, gates, an expert
-    # over h and f, the top-k sum; backward as long again; weight gradients summed over every rank's 24 tokens.
-    n = 2 * (2 * hidden + experts + 2 * top_k + config.intermediate_size) + world * 24
+    n = moe_roundings(config, tokens=world * 24)                # weight gradients sum over every rank's 24 tokens
     reference_grads = _grads_of(plain)
     out = {"output": tolerance.compare(y, mine, n=n),
            "expert+router grads": tolerance.compare_all(grads, {k: reference_grads[k] for k in grads}, n=n)}
@@ -639,7 +655,8 @@ def draw_step_times(phase_ms: dict, phases: tuple, all_reduce_bytes: dict, batch
            ylim=(0, bottom.max() * 1.2), title=f"tiny-moe, {batch} x {seq} tokens per rank ({where})")
     ax.legend(fontsize=7, loc="upper right")
     first, last = ep_sizes[0], ep_sizes[-1]
-    caption(fig, f"Slowest rank per phase, median of 3 steps; noisy on this shared machine. ep = {first} all-reduces "
+    noise = " (CPU processes: expect tens of percent from run to run)" if backend_for(ranks) == "gloo" else ""
+    caption(fig, f"Slowest rank per phase, median of 3 steps{noise}. ep = {first} all-reduces "
             f"every expert's gradient ({all_reduce_bytes[first] / 2**20:.1f} MiB); ep = {last} only the rest "
             f"({all_reduce_bytes[last] / 2**20:.1f} MiB) and its Adam updates 1/{last} of the experts, but its forward "
             "and backward wait for the all-to-alls and for the busiest rank.")
