@@ -10,6 +10,7 @@ nothing from picotron. It holds:
     check_device     a clear error for a tensor that is elsewhere
     use_device_descriptors   give kernels that make tensor descriptors (TMA) the global memory they need
     gpu_problem      why this GPU cannot run a compiled kernel (capability, shared memory), or None
+    interpreter_problem   why this triton's interpreter fails next to this numpy (3.6 with numpy >= 2.3)
 
 On a machine without a GPU the kernels run in the Triton interpreter, which executes each program
 with numpy on the CPU: same code, same results, no speed (Playbook, "A primer on GPU", "Fused
@@ -35,7 +36,8 @@ import sys
 
 import torch
 
-__all__ = ["TRITON", "INTERPRETED", "kernel_device", "check_device", "use_device_descriptors", "gpu_problem"]
+__all__ = ["TRITON", "INTERPRETED", "kernel_device", "check_device", "use_device_descriptors", "gpu_problem",
+           "interpreter_problem"]
 
 
 def _triton_installed() -> bool:
@@ -85,8 +87,33 @@ def _interpret_triton_library() -> int:
     return len(rewrapped)
 
 
+def interpreter_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why this triton's interpreter cannot run a kernel with a loop next to this numpy, or None.
+
+    triton 3.6's interpreter turns a loop bound into a Python int from a 1-element numpy array, which
+    numpy 2.3 and newer refuse ("only 0-dimensional arrays can be converted to Python scalars"); 3.7
+    no longer does (both measured on the assignment 09 kernels).
+    """
+    def major_minor(version: str) -> tuple[int, int]:
+        major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 3):
+        return (f"triton {triton_version}'s interpreter cannot run a kernel with a loop under numpy "
+                f"{numpy_version} (a TypeError about 0-dimensional arrays): pip install 'triton>=3.7' "
+                f"or 'numpy<2.3'")
+    return None
+
+
 if INTERPRETED and TRITON:
     _interpret_triton_library()
+    import importlib.metadata
+    import warnings
+
+    import numpy
+    _problem = interpreter_problem(importlib.metadata.version("triton"), numpy.__version__)
+    if _problem:
+        warnings.warn(_problem, stacklevel=2)
 
 
 def kernel_device() -> torch.device:
