@@ -11,8 +11,12 @@ rank should own. Nothing here uses picotron.parallel.zero, the module the assign
     check_zero3_training(Zero3Unit)       4 AdamW steps on the shards, the last over 2 micro-batches:
                                           gathered again for backward, gradients reduce-scattered into
                                           the shards (and added there), everything freed
-    check_clip_grad_norm(clip)            (stretch) the global gradient norm from sharded gradients,
-                                          against torch.nn.utils.clip_grad_norm_ in one process
+    check_clip_grad_norm(clip)            the global gradient norm from sharded gradients, one all-reduce
+                                          of one number, against torch.nn.utils.clip_grad_norm_ in one process
+    check_zero3_prefetch(Zero3Unit,       (stretch) ZeRO-3 with prefetch over prefetch_units (the outer unit,
+                         Zero3Prefetch)   each layer's attention and MLP): the rules read from the order of
+                                          events (launch, wait, forward start and end, backward's first read),
+                                          results against one process as check_zero3_training's
 
 and `zero1_write_back_demo()`, the predict-then-run problem: what ZeRO-1 does when the updated
 shards are not all-gathered back into the model.
@@ -28,6 +32,8 @@ A ZeRO-3 unit computes with views of a buffer whose memory it frees; reading fre
 crashes the process. So the checks also watch every unit's module (a forward pre-hook after the
 learner's, and autograd's saved-tensor hooks for backward) and raise a clear AssertionError
 when a module is about to run its forward or its backward with parameters that have no memory.
+The stretch's timeline (_Timeline) adds the order of the units' events and refuses, when it happens,
+a unit that computes before its all-gather's handle was waited or that is freed while it is in flight.
 """
 
 from __future__ import annotations
@@ -47,13 +53,14 @@ from torch import nn
 
 from picotron import tolerance
 from picotron.config import ModelConfig
+from picotron_course import settings
 from picotron_course.checks import (Report, close_enough, close_in_training, max_abs_error, mismatch, on_ranks,
                                     one_thread, patched)
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_shard_range", "check_zero1", "check_zero3_forward", "check_zero3_training", "check_clip_grad_norm",
-           "zero1_write_back_demo", "recorded_collectives", "unit_params", "WrongCollectiveUse", "ZERO_MODELS",
-           "WORLD"]
+           "check_zero3_prefetch", "zero1_write_back_demo", "recorded_collectives", "unit_params", "prefetch_units",
+           "WrongCollectiveUse", "ZERO_MODELS", "WORLD"]
 
 WORLD = 4
 # Two small Llamas with tied embeddings: 2 layers and 26784 parameters (a multiple of 4), and an odd
@@ -81,12 +88,13 @@ class WrongCollectiveUse(AssertionError):
 
 @dataclass
 class Call:
-    """One collective call: the operation, the payload bytes this rank handed in, the reduction, and how many
-    elements the payload held."""
+    """One collective call: the operation, the payload bytes this rank handed in, the reduction, how many
+    elements the payload held, and whether it was launched asynchronously (async_op=True)."""
     op: str
     nbytes: int
     reduce: str = ""
     numel: int = 0
+    async_op: bool = False
 
 
 # name -> (operation, index of the payload argument, index of the output argument or None)
@@ -100,10 +108,12 @@ _RECORDED = {
 
 
 @contextmanager
-def recorded_collectives() -> Iterator[list[Call]]:
+def recorded_collectives(observe: Callable | None = None) -> Iterator[list[Call]]:
     """Inside the block, every collective this rank calls is appended to the yielded list.
 
     torch.distributed's deprecated names call the new ones: only the outer call is recorded.
+    observe(call, output, result), when given, sees each call once it returned (`output`: the tensor an
+    all-gather or a reduce-scatter wrote, else None) and returns what the caller gets in place of `result`.
     """
     import picotron.comm as comm
 
@@ -127,12 +137,16 @@ def recorded_collectives() -> Iterator[list[Call]]:
             if output_at is not None:
                 _refuse_misuse(op, arguments[names[output_at]], payload, arguments.get("group"))
             reduce = arguments.get("op", dist.ReduceOp.SUM) if op in ("all_reduce", "reduce", "reduce_scatter") else None
-            calls.append(Call(op, nbytes, _reduce_name(reduce), numel))
+            call = Call(op, nbytes, _reduce_name(reduce), numel, bool(arguments.get("async_op", False)))
+            calls.append(call)
             busy[0] = True
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 busy[0] = False
+            if observe is not None:
+                result = observe(call, arguments[names[output_at]] if output_at is not None else None, result)
+            return result
         return recorded
 
     patches = [(module, name, wrap(name, getattr(module, name))) for name in _RECORDED
@@ -225,14 +239,14 @@ def _flat(tensors: list[torch.Tensor], padded: int | None = None) -> torch.Tenso
     return torch.cat([flat, flat.new_zeros((padded or flat.numel()) - flat.numel())])
 
 
-def _reference(name: str, steps: int) -> dict:
+def _reference(name: str, steps: int, layout: Callable = unit_params) -> dict:
     """One process, the whole global batch, plain AdamW: losses, every parameter's gradient at each
-    step, the final parameters; and the same in ZeRO-3 units."""
+    step, the final parameters; and the same in ZeRO-3 units (`layout(model)`: unit_params or prefetch_units)."""
     with one_thread():
         model = _model(name)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         params = list(model.parameters())
-        units = [unit for _, _, unit in unit_params(model)]
+        units = [unit for _, _, unit in layout(model)]
         losses, grads, unit_grads = [], [], []
         for step in range(steps):
             batch = torch.cat([_tokens(name, step, rank) for rank in range(WORLD)])
@@ -740,7 +754,7 @@ def _zero3_step_comm_problem(ops: dict, sizes: list) -> str:
     return ""
 
 
-# ---- 5. stretch: clipping sharded gradients by the global norm ----------------------------------
+# ---- 5. clipping sharded gradients by the global norm --------------------------------------------
 JUNK = 100.0          # what the check writes into the padding of every shard's gradient
 CLIP_EPS = 1e-6       # torch.nn.utils.clip_grad_norm_: coefficient = max_norm / (norm + 1e-6), at most 1
 
@@ -939,6 +953,363 @@ def _padded_shard(flat: torch.Tensor, world: int, rank: int, junk: float = JUNK)
     padded = torch.full((world * k,), junk)
     padded[:flat.numel()] = flat
     return padded[rank * k:(rank + 1) * k]
+
+
+# ---- 6. stretch: ZeRO-3 with prefetch -------------------------------------------------------------
+AHEAD = 2   # units besides the outer one that may hold full parameters at once: the one computing, the next
+
+
+def prefetch_units(model: Llama) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """The ZeRO-3 units of the stretch, in the order their forwards start: one around the whole model holding
+    what no other unit holds (the embedding, which is also the LM head, and every norm), then each decoder
+    layer's attention and its MLP. Twice as many units as layers, and of different sizes."""
+    inner = [(f"{part} {i}", module, list(module.parameters()))
+             for i, layer in enumerate(model.layers) for part, module in (("attn", layer.attn), ("mlp", layer.mlp))]
+    owned = {p for _, _, params in inner for p in params}
+    return [("model", model, [p for p in model.parameters() if p not in owned]), *inner]
+
+
+class _Handle:
+    """The handle of an asynchronous all-gather, handed to the learner's code in place of torch's: it tells
+    the timeline when it is waited, and does the rest as torch's handle does. is_completed() waits and answers
+    True, so that what the check sees never depends on how fast the bytes travelled."""
+
+    def __init__(self, work, waited: Callable[[], None]):
+        self._work, self._waited = work, waited
+
+    def wait(self, *args, **kwargs):
+        self._waited()
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        self.wait()
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+class _Timeline(_Guard):
+    """What happens to the units on one rank, pass by pass (a forward, then a backward), in order, as
+    (event, unit index) pairs:
+
+        "gather"   an all-gather into the unit's `full` was called without async_op=True (it returned when done)
+        "launch"   ... with async_op=True (it returned at once; its handle is in flight)
+        "wait"     that handle's wait() was called
+        "start"    the unit's module starts its forward (after every forward pre-hook)
+        "end"      its forward is over (before any forward hook)
+        "need"     backward reads one of the unit's saved weights, for the first time in the pass
+        other      another collective (its name; unit None)
+
+    At every event it counts the units, the outer one (index 0) aside, whose `full` holds memory, and keeps
+    the largest count. Only the order of calls is recorded, never a time: the verdict is the same on a CPU
+    with gloo and on a GPU with NCCL, where wait() returns before the bytes arrive.
+
+    Two mistakes would let a collective write into memory that is read or freed meanwhile (a result that
+    depends on timing, or a crash): a unit that computes before its all-gather's handle was waited, and a
+    unit's memory resized while its all-gather is in flight. The timeline refuses them when they happen: it
+    waits for every all-gather in flight, then raises WrongCollectiveUse. An all-gather still unwaited when a
+    pass returns is waited for there, and noted for the check.
+    """
+
+    def __init__(self, names: list[str], units: list):
+        super().__init__()
+        self.names, self.units = names, units
+        self.unit_of = {unit.full.untyped_storage()._cdata: u for u, unit in enumerate(units)}
+        self.passes: list[dict] = []
+        self.needed: set[int] = set()
+        self.pending: dict[int, list] = {}     # unit -> its all-gathers launched and not waited (torch's handles)
+
+    def watch_all(self, modules: list[nn.Module]) -> None:
+        """Hooks on each unit's module, registered after the learner's: "start" once their pre-hooks have run,
+        "end" before their forward hooks run."""
+        for u, module in enumerate(modules):
+            label = f"{self.names[u]} ({type(module).__name__})"
+            module.register_forward_pre_hook(functools.partial(self._starts, u, label, list(self.units[u].params)))
+            module.register_forward_hook(lambda module, args, output, u=u: self.note("end", u), prepend=True)
+
+    def begin(self, phase: str, where: str) -> None:
+        self.current = {"phase": phase, "where": where, "events": [], "peak": (0, [], -1)}
+        self.passes.append(self.current)
+        self.needed = set()
+
+    def finish(self) -> None:
+        """At the end of a pass: the units that still hold memory, and those whose all-gather was never waited
+        (the timeline waits for those itself, so that nothing writes into a unit's memory any more)."""
+        self.current["held_after"] = [u for u, unit in enumerate(self.units) if unit.full.untyped_storage().nbytes()]
+        self.current["unwaited"] = [u for u, works in self.pending.items() if works]
+        self._drain()
+
+    def _drain(self) -> None:
+        for works in self.pending.values():
+            for work in works:
+                work.wait()
+        self.pending.clear()
+
+    def _refuse(self, message: str) -> None:
+        """Wait for every all-gather in flight (it writes into a unit's memory), then raise."""
+        self._drain()
+        raise WrongCollectiveUse(message)
+
+    def _refuse_unwaited(self, u: int, computes: str) -> None:
+        if self.pending.get(u):
+            events = self.current["events"]
+            launched = max(i for i, (event, v) in enumerate(events) if event == "launch" and v == u)
+            other = [self.names[v] for event, v in events[launched:] if event == "wait" and v != u]
+            self._refuse(f"{self.names[u]}'s {computes} before the handle of its all-gather was waited: its "
+                         "parameters may still be arriving (on a GPU, NCCL writes them while the kernels read). "
+                         f"Wait on {self.names[u]}'s own handle just before it computes"
+                         + (f" (the handle waited was {other[-1]}'s)" if other else ""))
+
+    def guard_frees(self):
+        """Around the passes: refuse to resize a unit's memory while an all-gather writes into it."""
+        resize = torch.UntypedStorage.resize_
+
+        def guarded(storage, nbytes):
+            u = self.unit_of.get(storage._cdata)
+            if u is not None and self.pending.get(u):
+                self._refuse(f"{self.names[u]}'s memory was resized to {nbytes} bytes while its all-gather was in "
+                             "flight, writing into it: wait on its handle before freeing the unit")
+            return resize(storage, nbytes)
+        return patched([(torch.UntypedStorage, "resize_", guarded)])
+
+    def note(self, event: str, unit: int | None) -> None:
+        events = self.current["events"]
+        events.append((event, unit))
+        held = [u for u, one in enumerate(self.units) if u and one.full.untyped_storage().nbytes()]
+        if len(held) > self.current["peak"][0]:
+            self.current["peak"] = (len(held), held, len(events) - 1)
+
+    def _starts(self, u: int, label: str, params: list, module, args) -> None:
+        self.before_forward(label, params, module, args)    # refuses parameters without memory
+        self._refuse_unwaited(u, "forward started")
+        self.note("start", u)
+
+    def unpack(self, saved):
+        saved = super().unpack(saved)                       # refuses weights without memory
+        if isinstance(saved, torch.Tensor):
+            u = self.unit_of.get(saved.untyped_storage()._cdata)
+            if u is not None and u not in self.needed:
+                self._refuse_unwaited(u, "backward began computing")
+                self.needed.add(u)
+                self.note("need", u)
+        return saved
+
+    def _waited(self, u: int | None, work) -> None:
+        self.note("wait", u)
+        if any(one is work for one in self.pending.get(u, [])):
+            self.pending[u] = [one for one in self.pending[u] if one is not work]
+
+    def observe(self, call: Call, output, result):
+        """recorded_collectives' observer: note the call, and hand out a handle that notes its wait."""
+        if call.op != "all_gather":
+            self.note(call.op, None)
+            return result
+        u = self.unit_of.get(output.untyped_storage()._cdata) if isinstance(output, torch.Tensor) else None
+        if not call.async_op or result is None:
+            self.note("gather", u)
+            return result
+        self.note("launch", u)
+        self.pending.setdefault(u, []).append(result)
+        return _Handle(result, functools.partial(self._waited, u, result))
+
+
+def check_zero3_prefetch(Zero3Unit: type, Zero3Prefetch: type) -> None:
+    """4 AdamW steps on 4 ranks, the last over 2 micro-batches, with the units of prefetch_units (the outer
+    one, then each layer's attention and MLP) built from your Zero3Unit with its hook_forward switched off,
+    and Zero3Prefetch(units) wiring them. Every forward and every backward, from the order of events (never
+    their times): each unit all-gathered exactly once; every all-gather but the first of the pass launched
+    with async_op=True before the unit ahead of it starts computing, and its handle waited after that unit
+    computed and before its own unit computes; backward in the reverse order of the forwards' ends; besides
+    the outer unit at most 2 units holding full parameters at any moment, none when a pass returns. Logits,
+    losses, gradient shards and weights equal one process's."""
+    _not_the_course_answer("check_zero3_prefetch", Zero3Unit)
+    _not_the_course_answer("check_zero3_prefetch", Zero3Prefetch)
+    note = (f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps, the last over {ACCUMULATE} micro-batches; units: the outer "
+            "one (embedding = LM head, norms), then each layer's attention and MLP. 'async' counts the all-gathers "
+            "launched with async_op=True per forward and backward; 'most held' the units, besides the outer one, "
+            f"holding full parameters at once (at most {AHEAD})")
+    with Report("Zero3Prefetch", note=note) as report:
+        try:
+            results = on_ranks(_prefetch_on_rank, WORLD, Zero3Unit, Zero3Prefetch, list(ZERO_MODELS))
+        except TimeoutError as e:
+            raise AssertionError(
+                f"Zero3Prefetch did not finish on every rank within {settings.check_timeout:g} s: a rank waited "
+                "for a collective the others never made (a deadlock). Every rank must launch the same all-gathers "
+                "and reduce-scatters in the same order, each unit's of its own size (the units differ in size "
+                f"here). {str(e).splitlines()[0]}") from None
+        for i, name in enumerate(ZERO_MODELS):
+            per_rank = [rank[i] for rank in results]
+            ref = _reference(name, ZERO3_STEPS, prefetch_units)
+            with one_thread(), torch.no_grad():
+                model = _model(name)
+                layout = prefetch_units(model)
+                expected = [model(_tokens(name, 0, rank)[:, :-1]) for rank in range(WORLD)]
+            names, sizes = [label for label, _, _ in layout], [sum(p.numel() for p in ps) for _, _, ps in layout]
+            detail, errors = _prefetch_check_problem(per_rank, ref, sizes, names, expected)
+            passes = per_rank[0].get("passes", [])
+            report.add(not detail, detail, model=name, units=len(sizes), sizes=str(sizes),
+                       **{"async": str(sorted({sum(event == "launch" for event, _ in p["events"]) for p in passes})),
+                          "most held": max((p["peak"][0] for p in passes), default="-")},
+                       max_logit_err=errors[0], max_grad_err=errors[1], max_weight_err=errors[2])
+
+
+def _prefetch_on_rank(Zero3Unit: type, Zero3Prefetch: type, names: list) -> list:
+    rank, out = dist.get_rank(), []
+    # The learner's unit with its own hooks off: Zero3Prefetch wires every unit.
+    Unit = type(Zero3Unit.__name__, (Zero3Unit,), {"hook_forward": lambda self: None})
+    for name in names:
+        model, where, phase = _model(name), "building the units", ""
+        try:
+            layout = prefetch_units(model)
+            units = [Unit(module, params, dist.group.WORLD) for _, module, params in layout]
+            prefetch = Zero3Prefetch(units)
+            _not_the_course_answer("check_zero3_prefetch", prefetch)
+            timeline = _Timeline([label for label, _, _ in layout], units)
+            timeline.watch_all([module for _, module, _ in layout])
+            optimizer = torch.optim.AdamW([unit.shard for unit in units], lr=LR)
+            losses, grads, comm, held, full_grads, logits = [], [], [], [], [], None
+            for step in range(ZERO3_STEPS):
+                micro = _micro_batches(step)
+                step_loss = 0.0
+                for i, part in enumerate(_tokens(name, step, rank).chunk(micro)):  # no zero_grad in between
+                    where = f"step {step}" + (f", micro-batch {i}" if micro > 1 else "")
+                    with recorded_collectives(timeline.observe) as calls, timeline.reads(), timeline.guard_frees():
+                        phase = "forward"
+                        timeline.begin(phase, where)
+                        output = model(part[:, :-1])
+                        timeline.finish()
+                        loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
+                        phase = "backward"
+                        timeline.begin(phase, where)
+                        loss.backward()
+                        timeline.finish()
+                    if logits is None:
+                        logits = output.detach().clone()
+                    step_loss += loss.item()
+                    comm.append(_per_op(calls))
+                    held.append(_held(units))
+                    full_grads.append(sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None))
+                losses.append(step_loss)
+                grads.append([None if unit.shard.grad is None else unit.shard.grad.detach().clone() for unit in units])
+                optimizer.step()
+                optimizer.zero_grad()
+        except WrongCollectiveUse as e:
+            out.append({"error": f"{where}{f', {phase}' if phase else ''}: {e}"})
+            continue
+        out.append({"logits": logits, "losses": losses, "grads": grads, "comm": comm, "held": held,
+                    "full_grads": full_grads, "shards": [unit.shard.detach().clone() for unit in units],
+                    "passes": timeline.passes})
+    return out
+
+
+def _prefetch_check_problem(per_rank: list, ref: dict, sizes: list, names: list,
+                            expected: list) -> tuple[str, tuple[float, float, float]]:
+    if "error" in per_rank[0]:
+        return per_rank[0]["error"], (math.nan,) * 3
+    logit_err = max(max_abs_error(got["logits"], want) for got, want in zip(per_rank, expected))
+    problem = _prefetch_problem(per_rank[0]["passes"], names)
+    detail, (grad_err, _, weight_err) = _zero3_train_problem(per_rank, ref, sizes)
+    errors = (logit_err, grad_err, weight_err)
+    if problem:
+        return problem, errors
+    for rank, (result, want) in enumerate(zip(per_rank, expected)):
+        if not close_enough(result["logits"], want, n=ROUNDINGS):
+            return (f"step 0: rank {rank}'s logits differ from one process's: {mismatch(result['logits'], want)}. "
+                    "Each unit must compute with every rank's shard gathered into unit.full"), errors
+    return detail, errors
+
+
+def _prefetch_problem(passes: list[dict], names: list[str]) -> str:
+    """The first rule of the stretch that a pass breaks, read from its events; '' when none does."""
+    ends: list[int] = []
+    for record in passes:
+        if record["phase"] == "forward":
+            order = list(range(len(names)))
+            ends = [u for event, u in record["events"] if event == "end"]
+        else:
+            order = ends[::-1]    # backward meets the units in the reverse order of their forwards' ends
+        problem = _pass_problem(record, order, names)
+        if problem:
+            return f"{record['where']}, {record['phase']}: {problem}"
+    return ""
+
+
+def _pass_problem(record: dict, order: list[int], names: list[str]) -> str:
+    events, phase = record["events"], record["phase"]
+    backward = phase == "backward"
+    use = "need" if backward else "start"          # the moment a unit computes with its parameters
+    computes = "backward began computing" if backward else "forward started"
+
+    def first(event: str, u: int) -> int | None:
+        return next((i for i, (e, v) in enumerate(events) if e == event and v == u), None)
+
+    if any(event in ("gather", "launch") and u is None for event, u in events):
+        return ("an all-gather wrote into a tensor that is no unit's `full`: gather each unit's shards straight "
+                "into unit.full (the module's parameters are views of it)")
+    for u in order:
+        count = sum(event in ("gather", "launch") and v == u for event, v in events)
+        if count != 1:
+            return (f"{names[u]} was all-gathered {count} times: gather each unit exactly once per {phase}. "
+                    + ("A unit whose all-gather was prefetched is already on its way: wait on its handle instead of "
+                       "gathering it again" if count else f"{names[u]} computes with its parameters: gather it")
+                    + (f". {_backward_order(order, names)}" if backward else ""))
+    for u in order[1:]:
+        if first("gather", u) is not None:
+            return (f"{names[u]}'s all-gather was called without async_op=True: it returns only once every shard "
+                    f"has arrived, so nothing computes while it travels. Launch it with async_op=True and keep its "
+                    f"handle{'; in backward as in forward' if backward else ''}")
+    for before, u in zip(order, order[1:]):
+        mark = first(use, before)
+        if mark is not None and first("launch", u) > mark:
+            when = (f"when {names[before]}'s backward starts (the hook on its output's gradient). "
+                    f"{_backward_order(order, names)}" if backward else
+                    f"from {names[before]}'s forward pre-hook, before {names[before]} computes")
+            return (f"{names[u]}'s all-gather was launched after {names[before]}'s {computes}: it cannot travel "
+                    f"while {names[before]} computes. Launch it {when}")
+    # Each handle waited after the unit ahead computed (a unit computing before its wait was refused on the rank).
+    for before, u in zip(order, order[1:]):
+        waited, used = first("wait", u), first(use, u)
+        if waited is None or used is None:
+            continue
+        marks = ([first("need", before)] if backward else
+                 [i for i, (event, _) in enumerate(events[:used]) if event in ("start", "end")][-1:])
+        if marks and marks[0] is not None and waited < marks[0]:
+            return (f"{names[u]}'s all-gather was waited before {_describe(events[marks[0]], names)}: waiting so "
+                    "early makes the gather synchronous again, nothing computes while it travels. Wait on its "
+                    f"handle just before {names[u]} computes")
+    count, held, at = record["peak"]
+    if count > AHEAD:
+        ended = [names[u] for u in held if not backward and first("end", u) is not None and first("end", u) < at]
+        ahead = [names[u] for u in held if names[u] not in ended]
+        why = (f" The forward of {', '.join(ended)} had ended: free each unit's parameters right after its forward"
+               if ended else f" {', '.join(ahead)} were gathered ahead at once: launch only the next unit's all-gather,"
+               " one ahead, when a unit is about to compute")
+        return (f"{count} units besides the outer one held their full parameters at once "
+                f"({', '.join(names[u] for u in held)}), when {_describe(record['events'][at], names)}: at most "
+                f"{AHEAD} may, the one computing and the next, whose all-gather is in flight.{why}")
+    if record["unwaited"]:
+        return (f"the {phase} returned while the all-gather of {', '.join(names[u] for u in record['unwaited'])} was "
+                "in flight, never waited: launch only the all-gathers this pass uses, and wait on each handle")
+    if record["held_after"]:
+        return (f"when the {phase} returned, {', '.join(names[u] for u in record['held_after'])} still held full "
+                f"parameters: free each unit right after its {phase}")
+    return ""
+
+
+def _backward_order(order: list[int], names: list[str]) -> str:
+    return ("Backward meets the units in the reverse order of their forwards' ends: "
+            + ", ".join(names[u] for u in order))
+
+
+def _describe(event: tuple, names: list[str]) -> str:
+    """An event of the timeline in words."""
+    what, u = event
+    name = names[u] if u is not None else "a tensor"
+    words = {"start": f"{name}'s forward started", "end": f"{name}'s forward ended",
+             "need": f"{name}'s backward read its weights", "launch": f"{name}'s all-gather was launched",
+             "gather": f"{name} was all-gathered", "wait": f"{name}'s handle was waited"}
+    return words.get(what, f"a {what} was called")
 
 
 # ---- predict, then run: ZeRO-1 that does not write the updated shards back ----------------------

@@ -5,6 +5,7 @@ nbval on its own), so a check that passes everything, or nothing, is caught. Not
 picotron.parallel.zero.
 """
 
+import functools
 import math
 
 import pytest
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from picotron_course.checks_zero import (check_clip_grad_norm, check_shard_range, check_zero1, check_zero3_forward,
-                                         check_zero3_training, recorded_collectives, zero1_write_back_demo)
+                                         check_zero3_prefetch, check_zero3_training, recorded_collectives,
+                                         zero1_write_back_demo)
 from picotron.launch import run
 
 AVG = dist.ReduceOp.AVG
@@ -199,6 +201,76 @@ class RefUnitBackwardPreHook(RefUnit):
         self.module.register_full_backward_pre_hook(lambda module, grad_output: self.gather())
 
 
+def ref_start_gather(unit):
+    unit.full.untyped_storage().resize_(unit.full.numel() * 4)
+    return dist.all_gather_into_tensor(unit.full, unit.shard.detach(), group=unit.group, async_op=True)
+
+
+class RefPrefetch:
+    """ZeRO-3 with prefetch: the next unit's all-gather launched (async) when a unit is about to compute, its
+    handle waited just before that unit computes; backward in the reverse order of the forwards' ends."""
+
+    def __init__(self, units):
+        self.units, self.handles, self.ended = units, {}, []
+        for i, unit in enumerate(units):
+            unit.module.register_forward_pre_hook(lambda module, args, i=i: self.before_forward(i))
+            unit.module.register_forward_hook(lambda module, args, output, i=i: self.after_forward(i, output))
+
+    def launch(self, unit):
+        if unit not in self.handles and not unit.full.untyped_storage().nbytes():
+            self.handles[unit] = ref_start_gather(unit)
+
+    def ready(self, unit):
+        self.launch(unit)
+        handle = self.handles.pop(unit, None)
+        if handle is not None:
+            handle.wait()
+
+    def before_forward(self, i):
+        if i == 0:
+            self.ended = []
+        self.ready(self.units[i])
+        if i + 1 < len(self.units):
+            self.launch(self.units[i + 1])
+
+    def after_forward(self, i, output):
+        self.ended.append(i)
+        self.units[i].free()
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.before_backward(i))
+
+    def before_backward(self, i):
+        order = self.ended[::-1]
+        self.ready(self.units[i])
+        if order.index(i) + 1 < len(order):
+            self.launch(self.units[order[order.index(i) + 1]])
+
+
+class RefPrefetchModuleHooks:
+    """Right too: picotron.comm's all-gather, the backward order fixed up front (the outer unit, then the others
+    reversed), backward gathers from module backward pre-hooks, the first unit of a pass gathered synchronously."""
+
+    def __init__(self, units):
+        self.handles = {}
+        forward, backward = list(units), [units[0], *units[:0:-1]]
+        for unit in units:
+            unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self.compute(unit, forward))
+            unit.module.register_forward_hook(lambda module, args, output, unit=unit: unit.free())
+            unit.module.register_full_backward_pre_hook(lambda module, grad, unit=unit: self.compute(unit, backward))
+
+    def compute(self, unit, order):
+        from picotron.comm import all_gather
+        if unit in self.handles:
+            self.handles.pop(unit).wait()
+        else:
+            unit.gather()
+        after = order.index(unit) + 1
+        if after < len(order) and not order[after].full.untyped_storage().nbytes():
+            nxt = order[after]
+            nxt.full.untyped_storage().resize_(nxt.full.numel() * 4)
+            self.handles[nxt] = all_gather(nxt.full, nxt.shard.detach(), nxt.group, async_op=True)
+
+
 CORRECT = [(check_shard_range, ref_shard_range), (check_shard_range, ref_shard_range_list), (check_zero1, RefZero1),
            (check_zero1, RefZero1FreesGrad), (check_zero3_forward, RefUnit), (check_zero3_training, RefUnit),
            (check_zero3_training, RefUnitWithComm), (check_zero3_training, RefUnitBackwardPreHook),
@@ -212,6 +284,14 @@ def test_correct_answer_passes(check, answer, capsys):
     check(answer)
     out = capsys.readouterr().out
     assert "FAIL" not in out and " ok" in out
+
+
+@pytest.mark.parametrize("prefetch", [RefPrefetch, RefPrefetchModuleHooks], ids=lambda cls: cls.__name__)
+def test_correct_prefetch_passes(prefetch, capsys):
+    check_zero3_prefetch(RefUnit, prefetch)
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and " ok" in out
+    assert "most held" in out
 
 
 # ---- planted wrong answers -------------------------------------------------------------------
@@ -334,7 +414,7 @@ class UnitOverwritesGrad(RefUnit):
             p.grad = None
 
 
-# ---- planted wrong answers to the stretch: plausible ways to get the global norm wrong -------------
+# ---- planted wrong answers to the clip: plausible ways to get the global norm wrong ----------------
 def _clip_with(shards, norm, max_norm, clamp=True):
     coefficient = max_norm / (norm + 1e-6)
     if clamp:
@@ -438,7 +518,171 @@ def ref_norm(shards, numels, group):
     return total.sqrt().item()
 
 
+# ---- planted wrong answers to the stretch: ZeRO-3 with prefetch, each breaking one rule of the task ---------
+class PrefetchSync(RefPrefetch):
+    """No prefetch: each unit gathers itself, synchronously, when it is about to compute (section 3 again)."""
+
+    def launch(self, unit):
+        if not unit.full.untyped_storage().nbytes():
+            unit.gather()
+
+    def before_forward(self, i):
+        if i == 0:
+            self.ended = []
+        self.ready(self.units[i])
+
+
+class PrefetchLate(RefPrefetch):
+    """Asynchronous, but each unit's all-gather launched only when the unit itself is about to compute."""
+
+    def before_forward(self, i):
+        if i == 0:
+            self.ended = []
+        self.ready(self.units[i])
+
+
+class PrefetchAllUpFront(RefPrefetch):
+    """Every unit's all-gather launched when the forward starts: nothing waits, but every unit is held at once."""
+
+    def before_forward(self, i):
+        if i == 0:
+            self.ended = []
+            for unit in self.units:
+                self.launch(unit)
+        self.ready(self.units[i])
+
+
+class PrefetchNeverFrees(RefPrefetch):
+    """Forgets free_params after each unit's forward."""
+
+    def after_forward(self, i, output):
+        self.ended.append(i)
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.before_backward(i))
+
+
+class PrefetchWrongHandle(RefPrefetch):
+    """One handle for all: launching the next unit's all-gather overwrites the handle of this unit's, which is
+    never waited; the one waited is the next unit's."""
+
+    def before_forward(self, i):
+        if i == 0:
+            self.ended = []
+            self.handle = ref_start_gather(self.units[0])
+        if i + 1 < len(self.units):
+            self.handle = ref_start_gather(self.units[i + 1])
+        self.handle.wait()
+
+
+class PrefetchNeverWaits(RefPrefetch):
+    """Launches every all-gather asynchronously and drops the handles."""
+
+    def ready(self, unit):
+        self.launch(unit)
+        self.handles.pop(unit, None)
+
+
+class PrefetchWaitsEarly(RefPrefetch):
+    """Waits on each handle right after launching it: synchronous again."""
+
+    def launch(self, unit):
+        super().launch(unit)
+        if unit in self.handles:
+            self.handles.pop(unit).wait()
+
+
+class PrefetchGathersTwice(RefPrefetch):
+    """Prefetches, then gathers each unit again, synchronously, before it computes."""
+
+    def ready(self, unit):
+        super().ready(unit)
+        unit.gather()
+
+
+class PrefetchBackwardSync(RefPrefetch):
+    """Prefetches in forward only: backward gathers each unit, synchronously, when its backward starts."""
+
+    def before_backward(self, i):
+        self.units[i].gather()
+
+
+class PrefetchBackwardLate(RefPrefetch):
+    """Asynchronous in backward too, but each unit's all-gather launched only when its own backward starts."""
+
+    def before_backward(self, i):
+        self.ready(self.units[i])
+
+
+class PrefetchKeepsOuter(RefPrefetch):
+    """Keeps the outer unit gathered from the end of forward to its backward (it is needed again first)."""
+
+    def after_forward(self, i, output):
+        if i:
+            super().after_forward(i, output)
+            return
+        self.ended.append(i)
+        output.register_hook(lambda grad: self.before_backward(i))
+
+
+class PrefetchStaging(RefPrefetch):
+    """Gathers into a staging buffer of its own and copies it into unit.full once waited."""
+
+    def launch(self, unit):
+        if unit not in self.handles and not unit.full.untyped_storage().nbytes():
+            staging = torch.empty(unit.full.numel())
+            self.handles[unit] = (staging, dist.all_gather_into_tensor(staging, unit.shard.detach(), async_op=True))
+
+    def ready(self, unit):
+        self.launch(unit)
+        if unit in self.handles:
+            staging, handle = self.handles.pop(unit)
+            handle.wait()
+            unit.full.untyped_storage().resize_(unit.full.numel() * 4)
+            unit.full.copy_(staging)
+
+
+class PrefetchOnSummingUnits(RefPrefetch):
+    """Right, but over units whose reduce_scatter_grads sums the gradients (section 4's mistake): the results
+    must equal one process's."""
+
+
+class PrefetchBackwardInForwardOrder(RefPrefetch):
+    """In backward, "next" taken as in forward (units[i + 1]) instead of the reverse order of the forwards' ends."""
+
+    def before_backward(self, i):
+        self.ready(self.units[i])
+        if i + 1 < len(self.units):
+            self.launch(self.units[i + 1])
+
+
+class PrefetchFreesInFlight(RefPrefetch):
+    """Frees the next unit, its all-gather still in flight, when a unit's forward ends (e.g. a free of the
+    wrong unit)."""
+
+    def after_forward(self, i, output):
+        super().after_forward(i, output)
+        if i + 1 < len(self.units) and self.units[i + 1] in self.handles:
+            self.units[i + 1].free()
+
+
+class PrefetchWrongShard(RefPrefetch):
+    """Launches the next unit's all-gather from this unit's shard: the units differ in size, so the ranks would
+    exchange buffers of the wrong size (a crash or a hang); the recorder refuses it before the call."""
+
+    def before_forward(self, i):
+        if i == 0:
+            self.ended = []
+        self.ready(self.units[i])
+        if i + 1 < len(self.units):
+            nxt = self.units[i + 1]
+            nxt.full.untyped_storage().resize_(nxt.full.numel() * 4)
+            self.handles[nxt] = dist.all_gather_into_tensor(nxt.full, self.units[i].shard.detach(), async_op=True)
+
+
 CourseAnswer = type("Zero1", (RefZero1,), {"__module__": "picotron.parallel.zero"})  # named, never imported
+CoursePrefetch = type("Zero3", (RefPrefetch,), {"__module__": "picotron.parallel.zero3"})
+check_prefetch = functools.partial(check_zero3_prefetch, RefUnit)   # the learner's unit here: the reference one
+check_prefetch_summing = functools.partial(check_zero3_prefetch, UnitSums)
 
 WRONG_ANSWERS = [
     (check_shard_range, sr_floor, "cover only"),
@@ -471,6 +715,28 @@ WRONG_ANSWERS = [
     (check_clip_grad_norm, clip_forgets_to_scale, "were not scaled"),
     (check_clip_grad_norm, clip_averages, "op=AVG"),
     (check_clip_grad_norm, clip_reduces_two_numbers, "carried 2 numbers"),
+    (check_prefetch, PrefetchSync, "forward: attn 0's all-gather was called without async_op=True"),
+    (check_prefetch, PrefetchLate, "attn 0's all-gather was launched after model's forward started"),
+    (check_prefetch, PrefetchAllUpFront, r"4 units besides the outer one held .* gathered ahead at once"),
+    (check_prefetch, PrefetchNeverFrees, r"held their full parameters at once .* free each unit's parameters right "
+                                         "after its forward"),
+    (check_prefetch, PrefetchWrongHandle, "model's forward started before the handle of its all-gather was waited.* "
+                                          r"\(the handle waited was attn 0's\)"),
+    (check_prefetch, PrefetchNeverWaits, "model's forward started before the handle of its all-gather was waited"),
+    (check_prefetch, PrefetchWaitsEarly, "attn 0's all-gather was waited before model's forward started: waiting so "
+                                         "early makes the gather synchronous"),
+    (check_prefetch, PrefetchGathersTwice, "forward: model was all-gathered 2 times"),
+    (check_prefetch, PrefetchBackwardSync, "backward: mlp 1's all-gather was called without async_op=True"),
+    (check_prefetch, PrefetchBackwardLate, "backward: mlp 1's all-gather was launched after model's backward began "
+                                           "computing"),
+    (check_prefetch, PrefetchBackwardInForwardOrder, "backward: mlp 1 was all-gathered 2 times.* reverse order of "
+                                                     "their forwards' ends: model, mlp 1, attn 1, mlp 0, attn 0"),
+    (check_prefetch, PrefetchKeepsOuter, "forward: when the forward returned, model still held"),
+    (check_prefetch, PrefetchStaging, "no unit's `full`"),
+    (check_prefetch_summing, PrefetchOnSummingUnits, "looks like the sum"),
+    (check_prefetch, PrefetchFreesInFlight, "mlp 0's memory was resized to 0 bytes while its all-gather was in flight"),
+    (check_prefetch, PrefetchWrongShard, "fills 8352 elements, but its output has 3072"),
+    (check_prefetch, CoursePrefetch, "the course's answer"),
 ]
 
 
@@ -478,7 +744,7 @@ WRONG_ANSWERS = [
 def test_wrong_answer_fails(check, answer, says, capsys):
     with pytest.raises(AssertionError, match=says):
         check(answer)
-    if answer is not CourseAnswer:  # refused before running: no table
+    if answer not in (CourseAnswer, CoursePrefetch):  # refused before running: no table
         assert "FAIL" in capsys.readouterr().out
 
 
