@@ -21,6 +21,10 @@ draws lives here:
     state_per_gpu_figure(config, train, gpu)      Llama-3-8B's state per GPU as N grows
     time_prefetch(new_model, ...)                 ZeRO-3 steps with prefetch on and off, timed
     prefetch_summary(per_rank), prefetch_figure(...)   their step times and waits
+    show_lines(function, *needles)                a few lines of picotron's code, the ones that hold `needles`
+    hsdp_figure(shard_groups)                     HSDP's layout: shard groups on nodes, replicate groups across
+    OneProcessComputeDtype                        ZeRO-3's compute-dtype recipe on one process, nothing sharded
+    hsdp_and_compute_dtype(new_model, ...)        HSDP and bf16-compute ZeRO-3 against one process, step by step
     limits_figure(...)                            what is left per GPU, and whether the bytes can hide
     memory_bar(ax, ...), stage_bars_figure(...), explorer(...)   memory per GPU from the formulas
 
@@ -31,6 +35,7 @@ slowest_median) come from picotron_course.notebook.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import os
@@ -50,6 +55,7 @@ from picotron.memory import GiB, estimate_memory
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import DataParallel
+from picotron.parallel.hsdp import hsdp_groups
 from picotron.parallel.zero import ZeroOptimizer, ring_bytes
 from picotron.parallel.zero3 import Zero3
 from picotron_course.notebook import caption, max_diff, slowest_median, sync
@@ -65,6 +71,7 @@ def show_source(*functions) -> None:
     from what runs.
     """
     for function in functions:
+        function = inspect.unwrap(function)             # a decorated method (torch.no_grad): its own file
         lines, first = inspect.getsourcelines(function)
         path = inspect.getsourcefile(function)
         shown = os.path.relpath(path, os.path.dirname(os.path.dirname(__file__))) if path else "?"
@@ -616,7 +623,188 @@ def prefetch_figure(step_ms: dict, waiting: dict, slowest: dict, world: int, on_
     plt.show()
 
 
-# ---- 5. where it breaks, and the explorer ------------------------------------------------------------------
+# ---- 5. HSDP, and ZeRO-3 with a compute dtype -------------------------------------------------------------
+def show_lines(function, *needles: str) -> None:
+    """Print the lines of `function` (as picotron has it now) that contain any of `needles`, each with its line
+    number, "..." where lines are left out: the few lines a paragraph reads, without the rest of the method."""
+    function = inspect.unwrap(function)
+    lines, first = inspect.getsourcelines(function)
+    path = inspect.getsourcefile(function)
+    shown = os.path.relpath(path, os.path.dirname(os.path.dirname(__file__))) if path else "?"
+    kept = [i for i, line in enumerate(lines) if any(needle in line for needle in needles)]
+    missing = [needle for needle in needles if not any(needle in line for line in lines)]
+    if missing:
+        raise ValueError(f"{missing} not in {function.__qualname__}: picotron's code changed; update the cell")
+    print(f"# {shown}, from {function.__qualname__} (lines {first}-{first + len(lines) - 1}):")
+    previous = None
+    for i in kept:
+        if previous is not None and i > previous + 1:
+            print(f"{'':>5}  ...")
+        print(f"{first + i:>5}  {lines[i].rstrip()}")
+        previous = i
+    print()
+
+
+def hsdp_figure(shard_groups: list[list[int]]) -> None:
+    """HSDP's layout: one row per shard group (a node), one box per rank coloured by the shard it holds; the
+    shard groups' collectives along the rows, the replicate groups' all-reduce down the columns."""
+    r, s = len(shard_groups), len(shard_groups[0])
+    gap = 1.5                                             # between the rows' centres
+    fig, ax = plt.subplots(figsize=(9, 0.6 + 1.3 * r))
+    for row, ranks in enumerate(shard_groups):
+        y = (r - 1 - row) * gap
+        ax.add_patch(Rectangle((-0.15, y - 0.45), s + 0.1, 0.9, fill=False, lw=1.2, ls="--", edgecolor="0.4"))
+        ax.text(-0.25, y, f"node {row}\nshard group\n{{{', '.join(map(str, ranks))}}}", ha="right", va="center",
+                fontsize=8)
+        for i, rank in enumerate(ranks):
+            ax.add_patch(Rectangle((i, y - 0.25), 0.8, 0.5, facecolor=f"C{i}", alpha=0.55, edgecolor="k"))
+            ax.text(i + 0.4, y, f"rank {rank}\nshard {i}", ha="center", va="center", fontsize=9)
+        ax.annotate("", xy=(s - 0.2, y + 0.35), xytext=(0, y + 0.35),
+                    arrowprops=dict(arrowstyle="<->", color="C2", lw=1.5))
+        ax.text(s + 0.1, y + 0.25, "all-gather, reduce-scatter:\nthe fast links inside the node", color="C2",
+                fontsize=8, va="center")
+        if row + 1 < r:                                   # to the next node: the slow links
+            for i in range(s):
+                ax.annotate("", xy=(i + 0.4, y - gap + 0.25), xytext=(i + 0.4, y - 0.25),
+                            arrowprops=dict(arrowstyle="<->", color="C3", lw=1.5, ls=":"))
+            ax.text(s + 0.1, y - gap / 2, "all-reduce of each gradient shard (1/s of the\ngradient): the slow links "
+                    "between nodes", color="C3", fontsize=8, va="center")
+    ax.set(xlim=(-1.3, s + 2.6), ylim=(-0.55, (r - 1) * gap + 0.55))
+    ax.axis("off")
+    caption(fig, f"HSDP over N = {r * s} ranks, {r} x {s}: ZeRO inside each shard group of s = {s} ranks (a node), "
+            f"the same s shards on each of the N/s = {r} nodes. A column is a replicate group: the ranks that hold "
+            "the same shard.")
+    plt.show()
+
+
+class OneProcessComputeDtype:
+    """ZeRO-3's compute-dtype recipe on one process, with nothing sharded: the reference of 5.3.
+
+    fp32 master weights, stepped by AdamW; a copy of them in the compute dtype that forward and
+    backward run in; each dp rank's share of the global batch a backward of its own (as on the
+    ranks), its gradient cast to fp32, divided by the ranks and added up in fp32 (what the
+    reduce-scatter adds); after the step, the masters rounded into the copy again.
+    """
+
+    def __init__(self, new_model, adamw, dtype: torch.dtype, ranks: int):
+        self.master = new_model()                                     # fp32
+        self.model = copy.deepcopy(self.master).to(dtype)             # a tied weight stays tied
+        self.optimizer, self.ranks = adamw(self.master.parameters()), ranks
+
+    def backward(self, batch) -> float:
+        """The global batch, one rank's share at a time; returns the mean loss."""
+        total = 0.0
+        for p in self.master.parameters():
+            p.grad = torch.zeros_like(p)
+        for ids, targets in zip(batch.input_ids.chunk(self.ranks), batch.targets.chunk(self.ranks)):
+            loss = loss_fn(self.model(ids), targets)
+            loss.backward()
+            total += loss.item() / self.ranks
+            for p, q in zip(self.master.parameters(), self.model.parameters()):
+                p.grad += q.grad.float() / self.ranks                  # in fp32, as the reduce-scatter sums
+                q.grad = None
+        return total
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.optimizer.step()
+        for p, q in zip(self.master.parameters(), self.model.parameters()):
+            q.copy_(p)                                                # round the masters into the copy
+
+
+def hsdp_and_compute_dtype(new_model, loader, adamw, steps: int, shard_size: int) -> dict:
+    """On a rank: two ZeRO-3s train `steps` AdamW steps side by side, each rank on its share of the global
+    batch: "HSDP" (fp32, sharded over shard groups of `shard_size` ranks, replicated across them) and "bf16"
+    (over all the ranks, fp32 masters, compute_dtype=torch.bfloat16). Rank 0 also trains, in lockstep, one
+    process on the whole batch in fp32 ("one process") and one running the bf16 recipe (OneProcessComputeDtype).
+
+    Per ZeRO-3: the global loss per step; on rank 0 each step's largest gradient difference from its reference
+    (fp32 for HSDP, the bf16 recipe for bf16), whether all are within rtol = atol = TRAINING_GRAD_TOL, and the
+    first step's comparison by tolerance's policy (equal weights: rounding alone); the payload per collective of
+    step 0 ({op: (calls, bytes)}); state_bytes(), numels, peak_gathered_bytes, the dtypes of (master shard,
+    gradient shard, gathered buffer); the weights (rank 0) and this replica's largest difference from rank 0's.
+    Also this rank's groups, and one unit's master shard all-gathered in fp32 then cast to bf16 against cast
+    then all-gathered in bf16 (equal? and the two payloads)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shard_group, replicate_group = hsdp_groups(shard_size)
+    models = {"HSDP": new_model(), "bf16": new_model()}
+    zeros = {"HSDP": Zero3(models["HSDP"], shard_group, replicate_group=replicate_group, optimizer=adamw),
+             "bf16": Zero3(models["bf16"], None, compute_dtype=torch.bfloat16, optimizer=adamw)}
+    data = loader(rank, world)
+    references = {}
+    if rank == 0:
+        one = new_model()
+        references = {"HSDP": (one, adamw(one.parameters())),
+                      "bf16": OneProcessComputeDtype(new_model, adamw, torch.bfloat16, world)}
+        whole = loader(0, 1)
+    out = {name: dict(loss=[], grad_error=[], grads_close=[], comm=None) for name in zeros}
+    out["one process"], out["bf16 recipe"] = dict(loss=[]), dict(loss=[])
+    for step in range(steps):
+        expected = {}
+        if rank == 0:                                          # the references' gradients of this step
+            batch = whole.get_batch(step).to(device())
+            model, optimizer = references["HSDP"]
+            optimizer.zero_grad()
+            loss = loss_fn(model(batch.input_ids), batch.targets)
+            loss.backward()
+            out["one process"]["loss"].append(loss.item())
+            expected["HSDP"] = {n: p.grad for n, p in model.named_parameters()}
+            out["bf16 recipe"]["loss"].append(references["bf16"].backward(batch))
+            expected["bf16"] = {n: p.grad for n, p in references["bf16"].master.named_parameters()}
+        batch = data.get_batch(step).to(device())
+        for name, zero in zeros.items():
+            counter = comm.CommCounter()
+            counted = (lambda: comm.counting(counter)) if step == 0 else nullcontext   # step 0's collectives
+            with counted():
+                zero.zero_grad()
+                loss = loss_fn(models[name](batch.input_ids), batch.targets)
+                loss.backward()
+                zero.finish_gradient_sync()
+            grads = zero.gather_gradients()                    # not counted: for the comparison only
+            with counted():
+                zero.step()
+            if step == 0:
+                out[name]["comm"] = counter.snapshot()
+            loss = loss.detach()
+            dist.all_reduce(loss)                              # the global loss, for the comparison only
+            out[name]["loss"].append(loss.item() / world)
+            if rank == 0:
+                want = expected[name]
+                out[name]["grad_error"].append(max_diff(grads, want))
+                tol = tolerance.TRAINING_GRAD_TOL
+                out[name]["grads_close"].append(all(torch.allclose(grads[n], want[n], rtol=tol, atol=tol)
+                                                    for n in want))
+                if step == 0:                                  # from equal weights: the fp32 sum over the ranks
+                    out[name]["first_grads"] = tolerance.compare_all(grads, want, n=world, dtype=torch.float32)
+        if rank == 0:
+            references["HSDP"][1].step()
+            references["bf16"].step()
+    for name, zero in zeros.items():
+        weights = zero.gather_parameters()
+        flat = torch.cat([w.flatten() for w in weights.values()])
+        rank0 = flat.clone()
+        dist.broadcast(rank0, src=0)                           # every replica must hold rank 0's weights exactly
+        g = zero.groups[0]
+        out[name].update(replica_diff=(flat - rank0).abs().max().item(), weights=weights if rank == 0 else None,
+                         state=zero.state_bytes(), numels=zero.numels, peak_gathered=zero.peak_gathered_bytes,
+                         dtypes=(g.master.dtype, g.grad.dtype, g.full.dtype))
+    if rank == 0:
+        out["one process"]["weights"] = {n: p.detach().clone() for n, p in references["HSDP"][0].named_parameters()}
+        out["bf16 recipe"]["weights"] = {n: p.detach().clone() for n, p in references["bf16"].master.named_parameters()}
+    shard = zeros["bf16"].groups[1].shard                      # a layer's fp32 master shard, S elements
+    with comm.counting() as in_fp32:
+        gathered = shard.new_empty(world * shard.numel())
+        comm.all_gather(gathered, shard)                       # gather fp32 ...
+    with comm.counting() as in_bf16:
+        direct = torch.empty(world * shard.numel(), dtype=torch.bfloat16, device=shard.device)
+        comm.all_gather(direct, shard.to(torch.bfloat16))      # ... or cast first, as Zero3 does
+    out["gather_then_cast"] = dict(equal=torch.equal(gathered.to(torch.bfloat16), direct),
+                                   payloads=(in_fp32.bytes["all_gather"], in_bf16.bytes["all_gather"]))
+    out["groups"] = (dist.get_process_group_ranks(shard_group), dist.get_process_group_ranks(replicate_group))
+    return out
+
+
+# ---- 6. where it breaks, and the explorer ------------------------------------------------------------------
 def limits_figure(config, held_bytes: float, acts: dict, gpu_bytes: float, rate: float) -> None:
     """Left: ZeRO-3's state, the gathered units and the activations per GPU against N; right: communication over
     compute per micro-batch against the tokens per GPU, ZeRO-3 and ZeRO-1/2, inside a node and across nodes."""
