@@ -19,16 +19,27 @@ picotron.parallel.context_parallel, the module the assignment rebuilds.
                                                0-1, 2-3): the output equals full causal attention;
                                                point-to-point only, (cp-1) K/V blocks sent per rank,
                                                each hop posted before the block it overlaps is computed
-    check_ulysses_attention(ulysses_attention) the stretch part: the same 4 ranks and groups, plain and zig-zag
-                                               layouts: the output equals full causal attention; all-to-alls
-                                               only, handed q, k, v and the output once (K and V with their own
-                                               heads); a ValueError naming cp and both head counts, before any
-                                               communication, when cp does not divide them (8/2 heads on 4 ranks)
+    check_mesh_2d(groups_2d, positions_2d)     the stretch, 2-D context parallelism (one process): for cp = u x r
+                                               of 2x2 to 8x2, each rank's Ulysses group (u consecutive ranks, a
+                                               node) and ring group (one rank per node), and its positions: piece
+                                               j of u of ring rank g's, so a node's pieces join into ring rank g's
+    check_attention_2d(attention_2d)           the stretch on 4 ranks as u x r = 2x2, 1x4 and 4x1, plain and
+                                               zig-zag, 4/4 and 8/2 heads: the output equals full causal attention;
+                                               from the recorded communication: all-to-alls only on the rank's
+                                               Ulysses group, handed q, k, v, out once (K/V with their own heads),
+                                               point-to-point only within its ring group, (r-1) K/V blocks of
+                                               kv_heads/u heads, no other collective (no all-gather); a ValueError
+                                               naming u and both head counts, before any communication, when u
+                                               does not divide them (8/2 heads at u=4)
 
 Layouts, for a sequence of s tokens over cp ranks: "plain" gives rank r the chunk r of cp chunks
 (s/cp tokens each); "zig-zag" cuts 2 cp chunks and gives rank r chunks r and 2cp-1-r, in that order.
 Sizes: batch 2, head dim 8, 4 query heads with 4 or 2 key/value heads (GQA), s = 32 at cp=4 and
-16 at cp=2 (zig-zag chunks of 4 tokens).
+16 at cp=2 (zig-zag chunks of 4 tokens); the 2-D checks: s = 32 on every mesh, 4/4 and 8/2 heads.
+
+The 2-D checks record, on every rank, each collective with its group's members and the bytes handed to
+it, and the peer of each send and receive (torch.distributed patched, as for the ring): the rules of the
+task are read from that record, never from timing, so they hold alike on any machine.
 
 Work is counted with a TorchDispatchMode: the FLOPs of every matmul the learner's code runs. A chunk
 pair of c queries and c keys costs two matmuls (scores, then probabilities times values) of
@@ -60,8 +71,8 @@ from picotron_course import settings
 from picotron_course.checks import (Report, close_enough, collectives_observed, mismatch, on_ranks, one_thread,
                                     only_point_to_point, patched, preview, rank_tensor, tensors_in)
 
-__all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "check_ulysses_attention",
-           "WORLD", "CP_SIZES", "HOP_TIMEOUT"]
+__all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "check_mesh_2d",
+           "check_attention_2d", "WORLD", "CP_SIZES", "HOP_TIMEOUT"]
 
 WORLD = 4
 CP_SIZES = (4, 2)              # one ring of all 4 ranks; two rings of 2 (ranks 0-1, 2-3)
@@ -767,53 +778,170 @@ def _deadlock(rank: int, me: int, members: list[int], sends: list, recvs: list, 
             f"send has a matching receive. (gloo: {error.splitlines()[0].split('] ')[-1]})")
 
 
-# ==== 5. stretch: Ulysses ===========================================================================
-# (query heads, key/value heads). The last does not split over the ring of 4: 2 key/value heads for 4 ranks.
-ULYSSES_HEADS = ((4, 4), (8, 4), (8, 2))
-ULYSSES_CASES = [(zigzag, heads, kv_heads) for heads, kv_heads in ULYSSES_HEADS for zigzag in (False, True)]
+# ==== 5. stretch: 2-D context parallelism, Ulysses inside a node, the ring across nodes ==========
+# cp = u x r ranks. Ulysses group g (g < r): the u consecutive ranks g u .. g u + u - 1 (one node). Ring group j
+# (j < u): the ranks j, j + u, ..., j + (r - 1) u, one from each node, at the same place in it. Rank g u + j
+# holds piece j of u equal, contiguous pieces of ring rank g's tokens (rank_positions(s, g, r, zigzag)), so the
+# Ulysses all-to-all, joining its pieces along the sequence in group-rank order, hands each rank of node g
+# exactly ring rank g's tokens, for heads/u heads: ring_attention of part 4 then runs on them unchanged.
+MESH_CASES = ((2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (8, 2))     # (u, r) for the layout, in one process
+MESH_SEQ = 64
+MESHES = ((2, 2), (1, 4), (4, 1))          # (u, r) on the 4 ranks: 2-D, the ring alone, Ulysses alone
+SEQ_2D = 32                                # 2 r zig-zag chunks of 4 tokens at r = 4
+# (query heads, key/value heads). 8/2 does not split over u = 4: there the task wants a ValueError.
+HEADS_2D = ((4, 4), (8, 2))
+CASES_2D = [(zigzag, heads, kv_heads) for heads, kv_heads in HEADS_2D for zigzag in (False, True)]
 ALL_TO_ALL = ("all_to_all", "all_to_all_single")
+POINT_TO_POINT = ("send", "isend")
+ROUNDINGS_2D = HEAD_DIM + 2 * SEQ_2D + WORLD
 
 
-def _splits(cp: int, heads: int, kv_heads: int) -> bool:
-    return heads % cp == 0 and kv_heads % cp == 0
+def _groups_2d(rank: int, u: int, r: int) -> tuple[list[int], list[int]]:
+    """(Ulysses group, ring group) of a global rank: the u ranks of its node; one rank of each node."""
+    g, j = divmod(rank, u)
+    return [g * u + i for i in range(u)], [j + i * u for i in range(r)]
 
 
-def check_ulysses_attention(ulysses_attention: Callable) -> None:
-    """ulysses_attention(q, k, v, group, zigzag) on each rank's slice of the sequence equals full causal attention
-    at its positions. All-to-alls only, handed exactly q, k, v and the output once (their fp32 bytes, K and V
-    with their own heads); where cp does not divide both head counts, a ValueError naming them, before any
-    communication."""
-    _not_the_course_answer("check_ulysses_attention", ulysses_attention)
-    note = ("4 ranks as one group of cp=4 and as two groups of cp=2 (ranks 0-1, 2-3); each rank gets q, k, v of its "
-            "positions. Expected: full causal attention (float64) at those positions; the all-to-alls handed "
-            "q, k, v and the output once: batch x s/cp x d x (2 heads + 2 kv_heads) x 4 B per rank")
-    with Report("ulysses_attention", note=note) as report:
+def _positions_2d(seq: int, rank: int, u: int, r: int, zigzag: bool) -> torch.Tensor:
+    g, j = divmod(rank, u)
+    return _positions(seq, g, r, zigzag).chunk(u)[j]
+
+
+def _splits_2d(u: int, heads: int, kv_heads: int) -> bool:
+    return heads % u == 0 and kv_heads % u == 0
+
+
+def check_mesh_2d(groups_2d: Callable, positions_2d: Callable) -> None:
+    """groups_2d(rank, u, r) -> (Ulysses ranks, ring ranks), positions_2d(seq_len, rank, u, r, zigzag) -> the positions
+    a rank holds; one process, every rank of several (u, r). The groups tile the ranks (Ulysses: consecutive
+    ranks, a node; ring: one rank per node, the same place in each); each position is held once, and a
+    Ulysses group's positions, joined in group-rank order, are ring rank g's (rank_positions(s, g, r, zigzag))."""
+    _not_the_course_answer("check_mesh_2d", groups_2d, positions_2d)
+    note = (f"one process, cp = u x r ranks, s = {MESH_SEQ}. Expected: Ulysses group of rank g u + j = ranks g u .. "
+            "g u + u - 1, its ring group = ranks j, j + u, ...; its positions = piece j of u of ring rank g's")
+    with Report("mesh_2d", note=note) as report, _course_answer_refused("check_mesh_2d"):
+        for u, r in MESH_CASES:
+            for zigzag in (False, True):
+                detail = _groups_problem(groups_2d, u, r) or _positions_2d_problem(positions_2d, u, r, zigzag)
+                report.add(not detail, detail, u=u, r=r, layout=_layout(zigzag),
+                           **{"Ulysses group of rank 1": _show_list(_groups_2d(1, u, r)[0]),
+                              "ring group of rank 1": _show_list(_groups_2d(1, u, r)[1]),
+                              "positions of rank 1": _show_list(_positions_2d(MESH_SEQ, 1, u, r, zigzag).tolist())})
+
+
+def _as_ranks(value) -> list[int] | None:
+    try:
+        return [int(x) for x in value]
+    except (TypeError, ValueError):
+        return None
+
+
+def _groups_problem(groups_2d: Callable, u: int, r: int) -> str:
+    for rank in range(u * r):
+        got = groups_2d(rank, u, r)
+        call = f"groups_2d({rank}, u={u}, r={r})"
+        if not (isinstance(got, (tuple, list)) and len(got) == 2) or None in (_as_ranks(got[0]), _as_ranks(got[1])):
+            return f"{call} returned {got!r}; return the pair (Ulysses ranks, ring ranks), two lists of global ranks"
+        ulysses, ring = _as_ranks(got[0]), _as_ranks(got[1])
+        want_ulysses, want_ring = _groups_2d(rank, u, r)
+        if (ulysses, ring) == (want_ring, want_ulysses) and want_ring != want_ulysses:
+            return (f"{call} returned Ulysses {ulysses} and ring {ring}: the two are swapped. The all-to-alls move "
+                    "q, k, v and the output of every token, on the fast links: the Ulysses group is one node, the "
+                    f"u consecutive ranks {want_ulysses}; the ring takes one rank from each node, {want_ring}")
+        if ulysses != want_ulysses:
+            strided = [rank % r + i * r for i in range(u)] if u * r > 1 else [rank]
+            why = (": ranks i r + ... are spread over the nodes, so the all-to-all would cross them"
+                   if sorted(ulysses) == sorted(strided) and ulysses != want_ulysses else "")
+            return (f"{call}: the Ulysses group is {ulysses}, expected {want_ulysses}, the u consecutive ranks of "
+                    f"node {rank // u} (ranks g u .. g u + u - 1, in order){why}")
+        if ring != want_ring:
+            return (f"{call}: the ring group is {ring}, expected {want_ring}: one rank from each node, at the same "
+                    "place in it (ranks j, j + u, ..., in node order, which is the order of the ring)")
+    return ""
+
+
+def _positions_2d_problem(positions_2d: Callable, u: int, r: int, zigzag: bool) -> str:
+    seq, cp = MESH_SEQ, u * r
+    held = torch.zeros(seq, dtype=torch.long)
+    for rank in range(cp):
+        got = positions_2d(seq, rank, u, r, zigzag)
+        want = _positions_2d(seq, rank, u, r, zigzag)
+        call = f"positions_2d({seq}, {rank}, u={u}, r={r}, zigzag={zigzag})"
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.long or got.dim() != 1:
+            return f"{call} returned {type(got).__name__}; return a 1-D torch.long tensor of s/(u r) positions"
+        if torch.equal(got, want):
+            held += torch.bincount(got, minlength=seq)[:seq]
+            continue
+        text = f"{call} returned {_show_list(got.tolist())}, expected {_show_list(want.tolist())}"
+        if got.shape == want.shape and torch.equal(got, _positions(seq, rank, cp, zigzag)):
+            return (f"{text}: that is the layout of one ring of cp = u r ranks, right only for u = 1. After the "
+                    "all-to-all a rank holds the tokens of its whole node, and those must be ring rank g's tokens "
+                    "(rank_positions(s, g, r, zigzag)) in order: give rank g u + j piece j of them")
+        g, j = divmod(rank, u)
+        ring = _positions(seq, g, r, zigzag)
+        if got.shape == want.shape and torch.equal(got, ring[j::u]):
+            return (f"{text}: every u-th token of ring rank g's. The all-to-all joins the pieces one after the "
+                    "other, in group-rank order, so each piece must be contiguous: piece j of u")
+        return f"{text}: piece j = {j} of u = {u} equal contiguous pieces of ring rank g = {g}'s positions"
+    if not bool((held == 1).all()):
+        return "the ranks together do not hold every position exactly once"
+    return ""
+
+
+def check_attention_2d(attention_2d: Callable) -> None:
+    """attention_2d(q, k, v, ulysses_group, ring_group, zigzag) on the 4 ranks as u x r = 2 x 2, 1 x 4 and 4 x 1, each
+    rank holding q, k, v of its positions (the layout of check_mesh_2d): the output equals full causal attention
+    at those positions. Checked from the communication each rank records: all-to-alls only on its Ulysses group,
+    handed q, k, v and the output once (K/V with their own heads; none needed when u = 1); point-to-point only to
+    and from its ring group, (r - 1) K/V blocks of kv_heads/u heads and s/r tokens; no other collective; and where
+    u does not divide both head counts, a ValueError naming u and both counts, before any communication."""
+    _not_the_course_answer("check_attention_2d", attention_2d)
+    note = ("4 ranks as u x r = 2 x 2 (Ulysses groups 0-1, 2-3; rings 0-2, 1-3), 1 x 4 (one ring), 4 x 1 (one "
+            "Ulysses group); each rank gets q, k, v of its positions. Expected: full causal attention (float64) at "
+            "those positions; all-to-alls handed q, k, v, out once: batch x s/cp x d x (2 heads + 2 kv_heads) x 4 B; "
+            "ring: (r-1) blocks of K and V, 2 x batch x kv_heads/u x s/r x d x 4 B each")
+    with Report("attention_2d", note=note) as report:
         try:
-            results = on_ranks(_ulysses_on_rank, WORLD, ulysses_attention, ULYSSES_CASES)
+            results = on_ranks(_attention_2d_on_rank, WORLD, attention_2d, CASES_2D)
         except TimeoutError as e:
-            raise AssertionError(f"ulysses_attention did not finish on every rank within {settings.check_timeout:g} s: "
-                                 "a rank waited in a collective the others never joined. Every rank of the group "
-                                 "must call the same all-to-alls, in the same order, with the same sizes. "
+            raise AssertionError(f"attention_2d did not finish on every rank within {settings.check_timeout:g} s: a "
+                                 "rank waited in a collective or a hop the others never joined. Every rank of a "
+                                 "group must make the same calls, in the same order, with the same sizes. "
                                  f"{str(e).splitlines()[0]}") from None
-        c = 0
-        for cp in CP_SIZES:
-            for seed, (zigzag, heads, kv_heads) in enumerate(ULYSSES_CASES):
-                per_rank = [r[c] for r in results]
+        c, rows = 0, []
+        for u, r in MESHES:
+            for seed, (zigzag, heads, kv_heads) in enumerate(CASES_2D):
+                per_rank = [result[c] for result in results]
                 c += 1
-                if _splits(cp, heads, kv_heads):
-                    _ulysses_row(report, per_rank, cp, seed, zigzag, heads, kv_heads)
-                else:
-                    _refusal_row(report, per_rank, cp, zigzag, heads, kv_heads)
+                rows.append(_attention_2d_row(per_rank, u, r, seed, zigzag, heads, kv_heads))
+        u1_ok = all(ok for ok, _, _, columns in rows if columns["u"] == 1)
+        for ok, detail, wrong_values, columns in rows:
+            if wrong_values and u1_ok and columns["u"] > 1:
+                detail += (" (Every u = 1 row passes: the layout inside the node is wrong. After the all-to-all "
+                           "the u pieces must join, in Ulysses-group order, into ring rank g's tokens)")
+            report.add(ok, detail, **columns)
 
 
-def _ulysses_on_rank(ulysses_attention: Callable, cases: list) -> list:
+def _meshes() -> list[tuple[int, int, object, object]]:
+    """(u, r, Ulysses group, ring group) of this rank for each mesh. Every rank makes every group, in one order."""
+    timeout, rank, out = timedelta(seconds=HOP_TIMEOUT), dist.get_rank(), []
+    for u, r in MESHES:
+        ulysses = [dist.new_group(_groups_2d(g * u, u, r)[0], timeout=timeout) for g in range(r)]
+        rings = [dist.new_group(_groups_2d(j, u, r)[1], timeout=timeout) for j in range(u)]
+        out.append((u, r, ulysses[rank // u], rings[rank % u]))
+    return out
+
+
+def _members(group) -> list[int]:
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _attention_2d_on_rank(attention_2d: Callable, cases: list) -> list:
     rank, out = dist.get_rank(), []
-    for cp, group in _rings():
-        me, _ = _ring_place(rank, cp)
-        seq = SEQ[cp]
+    for u, r, ulysses_group, ring_group in _meshes():
         for seed, (zigzag, heads, kv_heads) in enumerate(cases):
-            rows = _positions(seq, me, cp, zigzag)
-            q, k, v = (t[:, :, rows].contiguous() for t in _qkv(seq, heads, kv_heads, seed))
+            rows = _positions_2d(SEQ_2D, rank, u, r, zigzag)
+            q, k, v = (t[:, :, rows].contiguous() for t in _qkv(SEQ_2D, heads, kv_heads, seed))
             calls = []
 
             def record(name: str, arguments: dict) -> None:
@@ -822,148 +950,153 @@ def _ulysses_on_rank(ulysses_attention: Callable, cases: list) -> list:
                 elif name == "all_to_all":
                     given = list(arguments.get("input_tensor_list") or [])
                 else:
-                    given = tensors_in(list(arguments.values()))
-                calls.append((name, sum(t.numel() * t.element_size() for t in given if isinstance(t, torch.Tensor))))
+                    given = tensors_in([arguments.get("tensor")] if name in POINT_TO_POINT
+                                       else list(arguments.values()))
+                try:
+                    members = _members(arguments.get("group"))
+                except (ValueError, RuntimeError):
+                    members = []
+                nbytes = sum(t.numel() * t.element_size() for t in given if isinstance(t, torch.Tensor))
+                calls.append((name, members, nbytes))
 
             result = {"out": None, "returned": "", "raised": None, "calls": calls}
-            with collectives_observed(record), _course_answer_refused("ulysses_attention"):
+            with (collectives_observed(record), _recorded_peers() as (sends, recvs),
+                  _course_answer_refused("attention_2d")):
                 try:
-                    got = ulysses_attention(q, k, v, group, zigzag)
+                    got = attention_2d(q, k, v, ulysses_group, ring_group, zigzag)
                 except NotImplementedError:
                     raise
-                except Exception as e:
+                except AssertionError:
+                    raise
+                except Exception as e:                                   # noqa: BLE001 - reported in the table
                     if isinstance(e, RuntimeError) and "timed out" in str(e).lower():
-                        raise AssertionError(f"rank {rank} (rank {me} of its group of {cp}) waited {HOP_TIMEOUT:g} s "
-                                             "in a collective that the other ranks never joined, after "
-                                             f"{[name for name, _ in calls]}: every rank of the group must call the "
-                                             "same all-to-alls, in the same order, with the same sizes") from None
-                    if _splits(cp, heads, kv_heads) or isinstance(e, AssertionError):
-                        raise
-                    result["raised"] = (type(e).__name__, str(e).splitlines()[0] if str(e) else "")   # for the table
+                        raise AssertionError(f"rank {rank} (u={u}, r={r}) waited {HOP_TIMEOUT:g} s for a collective "
+                                             "or a hop that never came, after "
+                                             f"{[name for name, _, _ in calls]}, sending to {sends} and receiving "
+                                             f"from {recvs}: every rank of a group must make the same calls") from None
+                    result["raised"] = (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 else:
                     result["returned"] = type(got).__name__
                     if isinstance(got, torch.Tensor):
                         result["out"] = got.detach().float().clone()
+            result.update(sends=list(sends), recvs=list(recvs))
             out.append(result)
     return out
 
 
-def _a2a_bytes(cp: int, heads: int, kv_heads: int, dtype_bytes: int = 4) -> int:
+def _a2a_bytes_2d(u: int, r: int, heads: int, kv_heads: int) -> int:
     """What one rank hands to the all-to-alls: its s/cp tokens of q and the output (heads), k and v (kv_heads)."""
-    return BATCH * (SEQ[cp] // cp) * HEAD_DIM * (2 * heads + 2 * kv_heads) * dtype_bytes
+    return BATCH * (SEQ_2D // (u * r)) * HEAD_DIM * (2 * heads + 2 * kv_heads) * 4
 
 
-def _ulysses_row(report: Report, per_rank: list, cp: int, seed: int, zigzag: bool, heads: int, kv_heads: int) -> None:
-    seq = SEQ[cp]
-    q, k, v = _qkv(seq, heads, kv_heads, seed)
-    want_out, _ = _attention(q, k, v, _causal(seq))
-    want_bytes = _a2a_bytes(cp, heads, kv_heads)
-    errors, detail = [], ""
+def _ring_bytes_2d(u: int, r: int, kv_heads: int) -> int:
+    """What one rank sends round its ring: r - 1 blocks of K and V, kv_heads/u heads of s/r tokens."""
+    return (r - 1) * 2 * BATCH * (kv_heads // u) * (SEQ_2D // r) * HEAD_DIM * 4
+
+
+def _attention_2d_row(per_rank: list, u: int, r: int, seed: int, zigzag: bool, heads: int,
+                      kv_heads: int) -> tuple[bool, str, bool, dict]:
+    """(passed, detail, whether the first problem is a wrong value, the row's columns)."""
+    splits = _splits_2d(u, heads, kv_heads)
+    a2a = [sum(n for name, _, n in res["calls"] if name in ALL_TO_ALL) for res in per_rank]
+    p2p = [sum(n for name, _, n in res["calls"] if name in POINT_TO_POINT) for res in per_rank]
+    columns = {"u": u, "r": r, "layout": _layout(zigzag), "heads": f"{heads}/{kv_heads}"}
+    errors, detail, wrong_values = [], "", False
+    if not splits:
+        detail = _refusal_2d_problem(per_rank, u, heads, kv_heads)
+        columns.update({"max_err": "-", "to all-to-alls/rank (B)": "-", "want (B)": "ValueError",
+                        "ring sent/rank (B)": "-", "want ring (B)": "ValueError"})
+        return not detail, detail, False, columns
+    q, k, v = _qkv(SEQ_2D, heads, kv_heads, seed)
+    want_out, _ = _attention(q, k, v, _causal(SEQ_2D))
     for rank, result in enumerate(per_rank):
-        me, _ = _ring_place(rank, cp)
-        rows = _positions(seq, me, cp, zigzag)
+        rows = _positions_2d(SEQ_2D, rank, u, r, zigzag)
         expected, got = want_out[:, :, rows], result["out"]
         errors.append(_error(got, expected) if got is not None else INF)
-        where = f"rank {rank} (rank {me} of its group of {cp})"
         if detail:
             continue
-        if got is None:
-            detail = (f"{where}: ulysses_attention returned {result['returned']}; return this rank's output, one "
-                      "tensor (batch, heads, s/cp, d)")
+        where = f"rank {rank} (u={u}, r={r})"
+        detail = _traffic_2d_problem(result, rank, u, r, heads, kv_heads, a2a[rank], p2p[rank])
+        if detail:
+            detail = f"{where}: {detail}"
+        elif result["raised"] is not None:
+            detail = f"{where}: attention_2d raised {result['raised'][0]}: {result['raised'][1][:200]}"
+        elif got is None:
+            detail = (f"{where}: attention_2d returned {result['returned']}; return this rank's output, one tensor "
+                      "(batch, heads, s/cp, d)")
         elif got.shape != expected.shape:
             detail = (f"{where}: the output has shape {tuple(got.shape)}, expected {tuple(expected.shape)}: this "
-                      "rank's s/cp tokens with all the heads. After attention, a second all-to-all gives each rank "
+                      "rank's s/cp tokens with all the heads. After the ring, a second all-to-all gives each rank "
                       "its tokens back, for every head")
-        elif not close_enough(got, expected, FP32, n=ROUNDINGS):
-            hint = _ulysses_hint(got, q, k, v, seq, cp, zigzag, me)
-            detail = f"{where}: the output is wrong{hint}{_group_note(cp, rank)}. {mismatch(got, expected.float())}"
-    given = [sum(nbytes for _, nbytes in r["calls"]) for r in per_rank]
-    if not detail:
-        detail = _a2a_problem(per_rank, given, want_bytes, cp, heads, kv_heads)
-    report.add(not detail, detail, cp=cp, layout=_layout(zigzag), heads=f"{heads}/{kv_heads}", max_err=max(errors),
-               **{"to all-to-alls/rank (B)": _show_list(sorted(set(given))), "q, k, v, out (B)": want_bytes})
+        elif not close_enough(got, expected, FP32, n=ROUNDINGS_2D):
+            wrong_values = True
+            detail = f"{where}: the output is wrong. {mismatch(got, expected.float())}"
+    columns.update({"max_err": max(errors), "to all-to-alls/rank (B)": _show_list(sorted(set(a2a))),
+                    "want (B)": _a2a_bytes_2d(u, r, heads, kv_heads) if u > 1 else "0 or " + str(
+                        _a2a_bytes_2d(u, r, heads, kv_heads)),
+                    "ring sent/rank (B)": _show_list(sorted(set(p2p))),
+                    "want ring (B)": _ring_bytes_2d(u, r, kv_heads)})
+    return not detail, detail, wrong_values, columns
 
 
-def _ulysses_hint(got: torch.Tensor, q, k, v, seq: int, cp: int, zigzag: bool, me: int) -> str:
-    rows = _positions(seq, me, cp, zigzag)
-    arrival = torch.cat([_positions(seq, r, cp, zigzag) for r in range(cp)])     # the order the tokens arrive in
-    index = torch.empty(seq, dtype=torch.long)
-    index[arrival] = torch.arange(seq)                                           # position -> arrival index
-    heads, kv_heads = q.shape[1], k.shape[1]
-    group = heads // kv_heads
-    local = torch.arange(heads) // cp                                            # strided split: head i on rank i % cp
-    strided_kv = (local // group) * cp + torch.arange(heads) % cp                # the K/V head it then reads
-    alternatives = [
-        (torch.ones(seq, seq, dtype=torch.bool), None,
-         ": every key was attended. Inside, each rank runs causal attention over the whole sequence: mask the "
-         "keys after each query"),
-        (index[None, :] <= index[:, None], None,
-         ": the causal mask follows the order the tokens arrived in, not their positions. After the all-to-all "
-         "the sequence comes rank by rank (rank 0's chunks, then rank 1's, ...), which under zig-zag is not "
-         "position order: mask by position (query position >= key position), with the positions of every rank"),
-        (_causal(seq), strided_kv,
-         ": the heads were dealt out in a stride (head i to rank i mod cp), so a query head no longer meets its "
-         "own K/V head. Give each rank a contiguous group: query heads r*heads/cp onwards and K/V heads "
-         "r*kv_heads/cp onwards, so query head i still reads K/V head i // (heads / kv_heads)"),
-    ]
-    for allowed, kv_map, meaning in alternatives:
-        if kv_map is not None and kv_heads == heads:
-            continue                                                             # a stride is harmless without GQA
-        kk, vv = (k, v) if kv_map is None else (k[:, kv_map], v[:, kv_map])     # one K/V head per query head
-        want, _ = _attention(q[:, :, rows], kk, vv, allowed[rows])
-        if got.shape == want.shape and close_enough(got, want, FP32, n=ROUNDINGS):
-            return meaning
-    return ""
-
-
-def _a2a_problem(per_rank: list, given: list, want: int, cp: int, heads: int, kv_heads: int) -> str:
-    for rank, result in enumerate(per_rank):
-        others = sorted({name for name, _ in result["calls"] if name not in ALL_TO_ALL})
-        if others:
-            if any(name in ("send", "isend") for name in others):
-                return (f"rank {rank} sent point to point ({', '.join(others)}); Ulysses moves its tensors with "
-                        "all-to-alls (dist.all_to_all or dist.all_to_all_single): each rank sends piece r of its "
-                        "heads to rank r")
-            return (f"rank {rank} called {', '.join('dist.' + n for n in others)}; Ulysses moves its tensors with "
-                    "all-to-alls only. An all-gather would give every rank every head of every token: cp times the "
-                    "bytes, and every rank holding the whole sequence")
-    for rank, nbytes in enumerate(given):
-        if nbytes == want:
-            continue
-        text = (f"rank {rank} handed {nbytes} B to its all-to-alls; expected q, k, v and the output once, "
-                f"{want} B (batch x s/cp x d x (2 x {heads} + 2 x {kv_heads}) x 4 B)")
-        if nbytes == 0:
-            return f"{text}: it called no all-to-all"
-        if kv_heads != heads and nbytes == _a2a_bytes(cp, heads, heads):
+def _traffic_2d_problem(result: dict, rank: int, u: int, r: int, heads: int, kv_heads: int, a2a: int,
+                        p2p: int) -> str:
+    """The first rule of the task the recorded communication breaks, in words; "" if none."""
+    ulysses, ring = _groups_2d(rank, u, r)
+    for name, members, _ in result["calls"]:
+        if name not in ALL_TO_ALL + POINT_TO_POINT:
+            return (f"it called dist.{name}; 2-D attention moves its tensors with all-to-alls inside the node and "
+                    "point-to-point hops round the ring, nothing else. A gather of K and V would put the whole "
+                    "sequence's keys on every rank at once")
+        if name in ALL_TO_ALL and members != ulysses:
+            return (f"it called dist.{name} over ranks {members}, but its Ulysses group is {ulysses}: the "
+                    "all-to-alls stay inside the node, on the fast links (group=ulysses_group)")
+    outside = sorted({peer for peer in result["sends"] + result["recvs"] if peer not in ring or peer == rank},
+                     key=str)
+    if outside:
+        sends, recvs = (sorted(set(result[key]), key=str) for key in ("sends", "recvs"))
+        return (f"it sent to {sends} and received from {recvs}: rank(s) {outside} are not in its "
+                f"ring group {ring}. The hops go round the ring group, one rank of each node (ring_attention on "
+                "ring_group)")
+    want_a2a = _a2a_bytes_2d(u, r, heads, kv_heads)
+    if a2a != want_a2a and not (u == 1 and a2a == 0):
+        text = (f"it handed {a2a} B to its all-to-alls; expected q, k, v and the output once, {want_a2a} B (batch x "
+                f"s/cp x d x (2 x {heads} + 2 x {kv_heads}) x 4 B)")
+        if a2a == 0:
+            return f"{text}: it called no all-to-all on its Ulysses group of {u}"
+        if kv_heads != heads and a2a == _a2a_bytes_2d(u, r, heads, heads):
             return (f"{text}: K and V were repeated to the {heads} query heads before the all-to-all; send them with "
-                    f"their {kv_heads} heads, and repeat them after, on the rank that computes")
-        if nbytes == want - BATCH * (SEQ[cp] // cp) * HEAD_DIM * heads * 4:
+                    f"their {kv_heads} heads, kv_heads/u to each rank")
+        if a2a == want_a2a - BATCH * (SEQ_2D // (u * r)) * HEAD_DIM * heads * 4:
             return f"{text}: the output was not sent back; a second all-to-all returns each rank its tokens"
-        if nbytes == 2 * want:
-            return f"{text}: twice the bytes; keep the tensors in fp32 and send each once"
-        return f"{text}: exchange each of q, k, v once, and the output once"
+        return f"{text}: exchange each of q, k, v once before the ring, and the output once after it"
+    want_ring = _ring_bytes_2d(u, r, kv_heads)
+    if p2p != want_ring:
+        text = (f"it sent {p2p} B round its ring; expected r - 1 = {r - 1} blocks of K and V with kv_heads/u = "
+                f"{kv_heads // u} heads of s/r = {SEQ_2D // r} tokens, {want_ring} B")
+        if kv_heads != heads and p2p == want_ring * heads // kv_heads:
+            return (f"{text}: K and V were repeated to the query heads before the ring; they travel with their own "
+                    "heads, and block_attention repeats them where they are used")
+        if p2p == want_ring * u:
+            return f"{text}: u = {u} times that: the ring ran before the all-to-all, on every head"
+        return text
     return ""
 
 
-def _refusal_row(report: Report, per_rank: list, cp: int, zigzag: bool, heads: int, kv_heads: int) -> None:
-    detail = ""
+def _refusal_2d_problem(per_rank: list, u: int, heads: int, kv_heads: int) -> str:
     for rank, result in enumerate(per_rank):
         raised = result["raised"]
-        where = f"rank {rank}: with {heads} query and {kv_heads} key/value heads on cp={cp} ranks"
+        where = f"rank {rank}: with {heads} query and {kv_heads} key/value heads on u={u}"
         if raised is None:
-            detail = (f"{where}, ulysses_attention returned {result['returned']}; each rank must get whole heads, so "
-                      "raise ValueError when cp does not divide both head counts, naming them (and suggest ring "
-                      "attention)")
-        elif raised[0] != "ValueError":
-            detail = (f"{where}, it raised {raised[0]} ({raised[1][:120]}); check the head counts first and raise "
-                      "ValueError, naming cp and both head counts")
-        elif not all(f"{n}" in raised[1] for n in (cp, heads, kv_heads)):
-            detail = (f"{where}, the ValueError says {raised[1][:160]!r}; name cp ({cp}) and both head counts "
-                      f"({heads}, {kv_heads}), so the user knows what to change")
-        elif result["calls"]:
-            detail = (f"{where}, it called {[name for name, _ in result['calls']]} before raising; check the head "
-                      "counts before any communication")
-        if detail:
-            break
-    report.add(not detail, detail, cp=cp, layout=_layout(zigzag), heads=f"{heads}/{kv_heads}", max_err="-",
-               **{"to all-to-alls/rank (B)": "ValueError" if not detail else "-", "q, k, v, out (B)": "ValueError"})
+            return (f"{where}, attention_2d returned {result['returned']}; each rank of the Ulysses group must get "
+                    "whole heads, so raise ValueError when u does not divide both head counts, naming them")
+        if raised[0] != "ValueError":
+            return (f"{where}, it raised {raised[0]} ({raised[1][:120]}); check the head counts first and raise "
+                    "ValueError, naming u and both head counts")
+        if not all(f"{n}" in raised[1] for n in (u, heads, kv_heads)):
+            return (f"{where}, the ValueError says {raised[1][:160]!r}; name u ({u}) and both head counts "
+                    f"({heads}, {kv_heads}), so the user knows what to change")
+        if result["calls"] or result["sends"] or result["recvs"]:
+            return (f"{where}, it called {[name for name, _, _ in result['calls']]} before raising; check the head "
+                    "counts before any communication")
+    return ""

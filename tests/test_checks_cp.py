@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from picotron_course import checks_cp
-from picotron_course.checks_cp import (check_attend_block, check_layout, check_merge, check_ring_attention,
-                                       check_ulysses_attention)
+from picotron_course.checks_cp import (check_attend_block, check_attention_2d, check_layout, check_merge,
+                                       check_mesh_2d, check_ring_attention)
 
 INF = math.inf
 
@@ -115,65 +114,66 @@ def ref_ring_group_peer(q, k, v, group, zigzag):
 
 
 
-# ---- Ulysses (the stretch part) ----------------------------------------------------------------------
+# ---- 2-D context parallelism (the stretch part) --------------------------------------------------------
+def ref_groups_2d(rank, u, r):
+    node, place = divmod(rank, u)
+    return list(range(node * u, node * u + u)), list(range(place, u * r, u))
+
+
+def ref_positions_2d(seq_len, rank, u, r, zigzag):
+    node, place = divmod(rank, u)
+    return ref_positions(seq_len, node, r, zigzag).view(u, -1)[place]
+
+
 def _heads_fit(q, k, group):
-    cp = dist.get_world_size(group)
-    if q.shape[1] % cp or k.shape[1] % cp:
-        raise ValueError(f"cp={cp} must divide the {q.shape[1]} query and {k.shape[1]} key/value heads; "
-                         "use ring attention")
-    return cp
+    u = dist.get_world_size(group)
+    if q.shape[1] % u or k.shape[1] % u:
+        raise ValueError(f"u={u} must divide the {q.shape[1]} query and {k.shape[1]} key/value heads")
+    return u
 
 
 def _swap(x, scatter_dim, gather_dim, group):
-    """One all_to_all_single: piece r of scatter_dim to rank r, what arrives joined along gather_dim in rank order."""
-    cp = dist.get_world_size(group)
-    send = torch.stack(x.chunk(cp, dim=scatter_dim)).contiguous()
+    """One all_to_all_single: piece i of scatter_dim to rank i, what arrives joined along gather_dim in rank order."""
+    u = dist.get_world_size(group)
+    send = torch.stack(x.chunk(u, dim=scatter_dim)).contiguous()
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
-def _arrival_positions(seq, cp, zigzag):
-    """The positions of the whole sequence in the order the all-to-all delivers them: rank 0's, rank 1's, ..."""
-    return torch.cat([ref_positions(seq, r, cp, zigzag) for r in range(cp)])
+def ref_attention_2d(q, k, v, ulysses_group, ring_group, zigzag, ring=ref_ring):
+    _heads_fit(q, k, ulysses_group)
+    q, k, v = (_swap(t, 1, 2, ulysses_group) for t in (q, k, v))          # (b, heads/u, s/r, d): ring rank g's tokens
+    return _swap(ring(q, k, v, ring_group, zigzag), 2, 1, ulysses_group)  # (b, heads, s/cp, d)
 
 
-def ref_ulysses(q, k, v, group, zigzag):
-    cp = _heads_fit(q, k, group)
-    q, k, v = (_swap(t, 1, 2, group) for t in (q, k, v))                 # (b, heads/cp, s, d): our heads, all tokens
-    pos = _arrival_positions(q.shape[2], cp, zigzag)
-    out, _ = ref_block_attention(q, k, v, pos[:, None] >= pos[None, :])
-    return _swap(out, 2, 1, group)                                          # (b, heads, s/cp, d)
-
-
-def ref_ulysses_lists(q, k, v, group, zigzag):
-    """dist.all_to_all on lists, K and V in one exchange, SDPA with a boolean mask as the core."""
-    cp = _heads_fit(q, k, group)
+def ref_attention_2d_lists(q, k, v, ulysses_group, ring_group, zigzag):
+    """dist.all_to_all on lists, K and V in one exchange, no all-to-all at all where u = 1, the group_peer ring."""
+    u = _heads_fit(q, k, ulysses_group)
 
     def swap(x, scatter_dim, gather_dim):
-        pieces = [p.contiguous() for p in x.chunk(cp, dim=scatter_dim)]
+        if u == 1:
+            return x
+        pieces = [p.contiguous() for p in x.chunk(u, dim=scatter_dim)]
         received = [torch.empty_like(p) for p in pieces]
-        dist.all_to_all(received, pieces, group=group)
+        dist.all_to_all(received, pieces, group=ulysses_group)
         return torch.cat(received, dim=gather_dim)
 
     kv_heads = k.shape[1]
     q = swap(q, 1, 2)
-    kv = swap(torch.stack([k, v], dim=2).flatten(1, 2), 1, 2)           # (b, 2 kv_heads, ...): k0 v0 k1 v1 ...
-    kv = kv.unflatten(1, (kv_heads // cp, 2))
-    k, v = kv[:, :, 0], kv[:, :, 1]
-    pos = _arrival_positions(q.shape[2], cp, zigzag)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=pos[:, None] >= pos[None, :], enable_gqa=True)
-    return swap(out, 2, 1)
+    kv = swap(torch.stack([k, v], dim=2).flatten(1, 2), 1, 2).unflatten(1, (kv_heads // u, 2))   # k0 v0 k1 v1 ...
+    return swap(ref_ring_group_peer(q, kv[:, :, 0], kv[:, :, 1], ring_group, zigzag), 2, 1)
 
 
 CORRECT = [(check_layout, (ref_chunks, ref_positions)), (check_merge, (ref_merge,)),
            (check_attend_block, (ref_attend_block,)), (check_ring_attention, (ref_ring,)),
-           (check_ring_attention, (ref_ring_group_peer,)), (check_ulysses_attention, (ref_ulysses,)),
-           (check_ulysses_attention, (ref_ulysses_lists,))]
+           (check_ring_attention, (ref_ring_group_peer,)), (check_mesh_2d, (ref_groups_2d, ref_positions_2d)),
+           (check_attention_2d, (ref_attention_2d,)), (check_attention_2d, (ref_attention_2d_lists,))]
 
 
 @pytest.mark.parametrize("check, answers", CORRECT, ids=["layout", "merge", "attend_block", "ring", "ring_group_peer",
-                                                         "ulysses", "ulysses_lists"])
+                                                         "mesh_2d", "attention_2d",
+                                                         "attention_2d_lists"])
 def test_correct_answer_passes(check, answers, capsys):
     check(*answers)
     out = capsys.readouterr().out
@@ -476,84 +476,136 @@ def ring_course_answer(q, k, v, group, zigzag):
 
 
 
-# ---- Ulysses ---------------------------------------------------------------------------------------------
-def _ulysses(q, k, v, group, zigzag, mask="position", strided=False, swap_back=True, repeat_kv=False, check=True):
-    """Ulysses with one mistake switched on."""
-    cp = _heads_fit(q, k, group) if check else dist.get_world_size(group)
-    if repeat_kv:
+# ---- 2-D context parallelism ----------------------------------------------------------------------------
+def groups_swapped(rank, u, r):
+    """The ring inside the node, the all-to-all across nodes."""
+    ulysses, ring = ref_groups_2d(rank, u, r)
+    return ring, ulysses
+
+
+def groups_ulysses_strided(rank, u, r):
+    """Ulysses groups of ranks spread over the nodes (every r-th rank), rings of consecutive ranks."""
+    return list(range(rank % r, u * r, r)), list(range(rank // r * r, rank // r * r + r))
+
+
+def groups_ring_from_self(rank, u, r):
+    """The right members of the ring, listed from this rank on, not in node order."""
+    ulysses, ring = ref_groups_2d(rank, u, r)
+    node = rank // u
+    return ulysses, ring[node:] + ring[:node]
+
+
+def positions_2d_as_list(seq_len, rank, u, r, zigzag):
+    return ref_positions_2d(seq_len, rank, u, r, zigzag).tolist()
+
+
+def positions_one_ring_of_cp(seq_len, rank, u, r, zigzag):
+    """The layout of a ring of all u r ranks: right only for u = 1."""
+    return ref_positions(seq_len, rank, u * r, zigzag)
+
+
+def positions_every_uth_token(seq_len, rank, u, r, zigzag):
+    node, place = divmod(rank, u)
+    return ref_positions(seq_len, node, r, zigzag)[place::u]
+
+
+def attention_2d_a2a_over_world(q, k, v, ulysses_group, ring_group, zigzag):
+    """Ulysses over all 4 ranks, no ring: right values where 4 divides the heads, but the all-to-all leaves the node."""
+    world = dist.group.WORLD
+    _heads_fit(q, k, world)
+    q, k, v = (_swap(t, 1, 2, world) for t in (q, k, v))
+    u, r = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
+    pos = torch.cat([ref_positions_2d(q.shape[2], rank, u, r, zigzag) for rank in range(u * r)])
+    out, _ = ref_block_attention(q, k, v, pos[:, None] >= pos[None, :])
+    return _swap(out, 2, 1, world)
+
+
+def attention_2d_ring_over_world(q, k, v, ulysses_group, ring_group, zigzag):
+    """The right all-to-all, then the ring over every rank instead of the ring group."""
+    return ref_attention_2d(q, k, v, ulysses_group, dist.group.WORLD, zigzag)
+
+
+def attention_2d_all_gathers_kv(q, k, v, ulysses_group, ring_group, zigzag):
+    """The right all-to-all, then K/V all-gathered over the ring group and attended at once: right values."""
+    _heads_fit(q, k, ulysses_group)
+    q, k, v = (_swap(t, 1, 2, ulysses_group) for t in (q, k, v))
+    r = dist.get_world_size(ring_group)
+    kv = torch.stack([k, v])
+    blocks = [torch.empty_like(kv) for _ in range(r)]
+    dist.all_gather(blocks, kv, group=ring_group)
+    k, v = (torch.cat([block[i] for block in blocks], dim=2) for i in (0, 1))
+    s = k.shape[2]
+    pos = torch.cat([ref_positions(s, g, r, zigzag) for g in range(r)])
+    mine = ref_positions(s, dist.get_rank(ring_group), r, zigzag)
+    out, _ = ref_block_attention(q, k, v, mine[:, None] >= pos[None, :])
+    return _swap(out, 2, 1, ulysses_group)
+
+
+def attention_2d_repeats_kv_before_a2a(q, k, v, ulysses_group, ring_group, zigzag):
+    groups = q.shape[1] // k.shape[1]
+    if k.shape[1] % dist.get_world_size(ulysses_group):
+        _heads_fit(q, k, ulysses_group)
+    return ref_attention_2d(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), ulysses_group,
+                            ring_group, zigzag)
+
+
+def attention_2d_repeats_kv_before_ring(q, k, v, ulysses_group, ring_group, zigzag):
+    def ring(q, k, v, group, zigzag):
         groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    if strided:                                                              # head i to rank i % cp
-        q, k, v = (_swap(t.unflatten(1, (-1, cp)).transpose(1, 2).flatten(1, 2), 1, 2, group) for t in (q, k, v))
-    else:
-        q, k, v = (_swap(t, 1, 2, group) for t in (q, k, v))
-    seq = q.shape[2]
-    pos = _arrival_positions(seq, cp, zigzag)
-    allowed = {"position": pos[:, None] >= pos[None, :], "arrival": torch.ones(seq, seq, dtype=torch.bool).tril(),
-               "none": None}[mask]
-    out, _ = ref_block_attention(q, k, v, allowed)
-    if not swap_back:
-        return out
-    out = _swap(out, 2, 1, group)
-    if strided:
-        out = out.unflatten(1, (cp, -1)).transpose(1, 2).flatten(1, 2)
-    return out
+        return ref_ring(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), group, zigzag)
+    return ref_attention_2d(q, k, v, ulysses_group, ring_group, zigzag, ring=ring)
 
 
-def ulysses_no_mask(q, k, v, group, zigzag):
-    return _ulysses(q, k, v, group, zigzag, mask="none")
+def attention_2d_interleaved_pieces(q, k, v, ulysses_group, ring_group, zigzag):
+    """Joins what arrives token by token (rank 0's first token, rank 1's first, ...): right only for u = 1."""
+    u = _heads_fit(q, k, ulysses_group)
+
+    def swap_in(x):
+        send = torch.stack(x.chunk(u, dim=1)).contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=ulysses_group)
+        return torch.stack(received.unbind(0), dim=3).flatten(2, 3)          # (b, h/u, s/cp, u, d) interleaved
+
+    def swap_out(x):
+        pieces = x.unflatten(2, (-1, u)).movedim(3, 0).contiguous()          # undo the interleaving
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces, group=ulysses_group)
+        return torch.cat(received.unbind(0), dim=1)
+
+    q, k, v = (swap_in(t) for t in (q, k, v))
+    return swap_out(ref_ring(q, k, v, ring_group, zigzag))
 
 
-def ulysses_mask_by_arrival(q, k, v, group, zigzag):
-    return _ulysses(q, k, v, group, zigzag, mask="arrival")
+def attention_2d_no_swap_back(q, k, v, ulysses_group, ring_group, zigzag):
+    _heads_fit(q, k, ulysses_group)
+    q, k, v = (_swap(t, 1, 2, ulysses_group) for t in (q, k, v))
+    return ref_ring(q, k, v, ring_group, zigzag)
 
 
-def ulysses_strided_heads(q, k, v, group, zigzag):
-    return _ulysses(q, k, v, group, zigzag, strided=True)
+def attention_2d_no_head_check(q, k, v, ulysses_group, ring_group, zigzag):
+    u = dist.get_world_size(ulysses_group)
+    if k.shape[1] % u:                                   # what happens without the check: heads lost, or a crash
+        return torch.zeros_like(q)
+    return ref_attention_2d(q, k, v, ulysses_group, ring_group, zigzag)
 
 
-def ulysses_no_swap_back(q, k, v, group, zigzag):
-    return _ulysses(q, k, v, group, zigzag, swap_back=False)
+def attention_2d_checks_after_exchange(q, k, v, ulysses_group, ring_group, zigzag):
+    if k.shape[1] % dist.get_world_size(ulysses_group):
+        _swap(q, 1, 2, ulysses_group)                    # q's 8 heads split over 4: its exchange runs before the check
+    return ref_attention_2d(q, k, v, ulysses_group, ring_group, zigzag)
 
 
-def ulysses_repeats_kv(q, k, v, group, zigzag):
-    return _ulysses(q, k, v, group, zigzag, repeat_kv=True)
-
-
-def ulysses_no_head_check(q, k, v, group, zigzag):
-    return _ulysses(q, k, v, group, zigzag, check=False)
-
-
-def ulysses_checks_after_exchange(q, k, v, group, zigzag):
-    if k.shape[1] % dist.get_world_size(group):
-        _swap(q, 1, 2, group)                          # q's 8 heads split over 4: its exchange runs before the check
-    return ref_ulysses(q, k, v, group, zigzag)
-
-
-def ulysses_vague_error(q, k, v, group, zigzag):
-    cp = dist.get_world_size(group)
-    if k.shape[1] % cp:
+def attention_2d_vague_error(q, k, v, ulysses_group, ring_group, zigzag):
+    if k.shape[1] % dist.get_world_size(ulysses_group):
         raise ValueError("bad head count")
-    return ref_ulysses(q, k, v, group, zigzag)
+    return ref_attention_2d(q, k, v, ulysses_group, ring_group, zigzag)
 
 
-def ulysses_all_gather(q, k, v, group, zigzag):
-    """Every rank gathers every token of every head, then keeps its heads: right values, cp times the bytes."""
-    cp, me = _heads_fit(q, k, group), dist.get_rank(group)
-    gathered = []
-    for t in (q, k, v):
-        pieces = [torch.empty_like(t) for _ in range(cp)]
-        dist.all_gather(pieces, t.contiguous(), group=group)
-        gathered.append(torch.cat(pieces, dim=2).chunk(cp, dim=1)[me])
-    seq = gathered[0].shape[2]
-    pos = _arrival_positions(seq, cp, zigzag)
-    out, _ = ref_block_attention(*gathered, pos[:, None] >= pos[None, :])
-    return _swap(out, 2, 1, group)
-
-
-def ulysses_course_answer(q, k, v, group, zigzag):
-    from picotron.parallel.context_parallel import ulysses_attention
-    return ulysses_attention(q, k, v, group)
+def attention_2d_course_answer(q, k, v, ulysses_group, ring_group, zigzag):
+    from picotron.parallel.context_parallel import ring_attention
+    _heads_fit(q, k, ulysses_group)
+    q, k, v = (_swap(t, 1, 2, ulysses_group) for t in (q, k, v))
+    return _swap(ring_attention(q, k, v, ring_group, zigzag=zigzag), 2, 1, ulysses_group)
 
 
 WRONG_ANSWERS = [
@@ -589,23 +641,32 @@ WRONG_ANSWERS = [
     (check_ring_attention, (ring_course_answer,), "the course's answer"),
     (check_layout, (ref_chunks, positions_as_int32), "1-D torch.long tensor"),
     (check_layout, (ref_chunks, positions_as_list), "returned list; return a 1-D torch.long tensor"),
-    (check_ulysses_attention, (ulysses_no_mask,), "every key was attended"),
-    (check_ulysses_attention, (ulysses_mask_by_arrival,), "order the tokens arrived in, not their positions"),
-    (check_ulysses_attention, (ulysses_strided_heads,), "dealt out in a stride"),
-    (check_ulysses_attention, (ulysses_no_swap_back,), "a second all-to-all"),
-    (check_ulysses_attention, (ulysses_repeats_kv,), "repeated to the 8 query heads before the all-to-all"),
-    (check_ulysses_attention, (ulysses_no_head_check,), r"name cp \(4\) and both head counts|raise ValueError"),
-    (check_ulysses_attention, (ulysses_checks_after_exchange,), "before any communication"),
-    (check_ulysses_attention, (ulysses_vague_error,), r"name cp \(4\) and both head counts \(8, 2\)"),
-    (check_ulysses_attention, (ulysses_all_gather,), "called dist.all_gather"),
-    (check_ulysses_attention, (ulysses_course_answer,), "the course's answer"),
+    (check_mesh_2d, (groups_swapped, ref_positions_2d), "the two are swapped"),
+    (check_mesh_2d, (groups_ulysses_strided, ref_positions_2d), "the u consecutive ranks"),
+    (check_mesh_2d, (groups_ring_from_self, ref_positions_2d), r"one rank from each node, at the same place in it"),
+    (check_mesh_2d, (ref_groups_2d, positions_2d_as_list), "return a 1-D torch.long tensor"),
+    (check_mesh_2d, (ref_groups_2d, positions_one_ring_of_cp), "right only for u = 1"),
+    (check_mesh_2d, (ref_groups_2d, positions_every_uth_token), "each piece must be contiguous"),
+    (check_attention_2d, (attention_2d_a2a_over_world,),
+     r"all_to_all_single over ranks \[0, 1, 2, 3\], but its Ulysses group is \[0, 1\]"),
+    (check_attention_2d, (attention_2d_ring_over_world,), r"are not in its ring group \[\d, \d\]"),
+    (check_attention_2d, (attention_2d_all_gathers_kv,), "it called dist.all_gather"),
+    (check_attention_2d, (attention_2d_repeats_kv_before_a2a,), "repeated to the 8 query heads before the all-to-all"),
+    (check_attention_2d, (attention_2d_repeats_kv_before_ring,), "repeated to the query heads before the ring"),
+    (check_attention_2d, (attention_2d_interleaved_pieces,), "Every u = 1 row passes"),
+    (check_attention_2d, (attention_2d_no_swap_back,), "a second all-to-all"),
+    (check_attention_2d, (attention_2d_no_head_check,), r"raise ValueError when u does not divide both head counts"),
+    (check_attention_2d, (attention_2d_checks_after_exchange,), "before any communication"),
+    (check_attention_2d, (attention_2d_vague_error,), r"name u \(4\) and both head counts \(8, 2\)"),
+    (check_attention_2d, (attention_2d_course_answer,), "the course's answer"),
 ]
 NO_TABLE = (ring_all_gather, ring_group_ranks_as_peers, ring_course_answer,  # a rank raises: no table
-            ulysses_course_answer)
+            attention_2d_course_answer)
 
 
 def _case_id(check, answers):
-    wrong = next((a for a in answers if a not in (ref_chunks, ref_positions)), answers[0])
+    wrong = next((a for a in answers if a not in (ref_chunks, ref_positions, ref_groups_2d, ref_positions_2d)),
+                 answers[0])
     return f"{check.__name__.removeprefix('check_')}-{wrong.__name__}"
 
 
@@ -622,6 +683,14 @@ def test_global_rank_fails_only_the_rings_of_two(capsys):
         check_ring_attention(ring_global_rank)
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.endswith((" ok", " FAIL"))]
     assert len(rows) == 8 and all((row[-1] == "ok") == (row[0] == "4") for row in rows), rows
+
+
+def test_pieces_joined_out_of_order_fail_only_where_u_is_above_1(capsys):
+    with pytest.raises(AssertionError, match="Every u = 1 row passes"):
+        check_attention_2d(attention_2d_interleaved_pieces)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.endswith((" ok", " FAIL"))]
+    computed = [row for row in rows if "ValueError" not in row]           # u = 4 with 8/2 heads: refused, both ok
+    assert len(rows) == 12 and computed and all((row[-1] == "ok") == (row[0] == "1") for row in computed), rows
 
 
 def test_a_deadlocked_ring_fails_within_the_hop_timeout():
@@ -662,8 +731,10 @@ def test_the_check_cases_cover_what_they_promise():
     assert any(heads != kv for _, heads, kv in checks_cp.RING_CASES)             # GQA
     assert any(heads == kv for _, heads, kv in checks_cp.RING_CASES)
     assert {cp for cp, _ in checks_cp.LAYOUT_CASES} >= {2, 4, 8}
-    assert {zigzag for zigzag, _, _ in checks_cp.ULYSSES_CASES} == {False, True}
-    assert any(heads % 4 == 0 and kv % 4 for _, heads, kv in checks_cp.ULYSSES_CASES)    # cannot split over 4 ranks
-    assert any(heads != kv and kv % 4 == 0 for _, heads, kv in checks_cp.ULYSSES_CASES)  # GQA that splits
+    assert {zigzag for zigzag, _, _ in checks_cp.CASES_2D} == {False, True}
+    assert set(checks_cp.MESHES) == {(2, 2), (1, 4), (4, 1)}                         # 2-D and both degenerate cases
+    assert any(heads % 4 == 0 and kv % 4 for _, heads, kv in checks_cp.CASES_2D)      # cannot split over u = 4
+    assert any(heads != kv and kv % 2 == 0 for _, heads, kv in checks_cp.CASES_2D)    # GQA that splits over u = 2
+    assert any(heads == kv for _, heads, kv in checks_cp.CASES_2D)
     names = [case[0] for case in checks_cp.MERGE_CASES]
     assert "nothing seen on either side" in names and "new block fully masked" in names
