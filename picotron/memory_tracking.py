@@ -163,8 +163,9 @@ def measure_memory(config: ModelConfig, batch: int, seq: int, *, precision: str 
     From the second step on the optimizer state exists during forward and backward: torch's AdamW
     creates it lazily, in the first `step()`. That second step is the steady state, whose peak
     matters. Each step starts with `zero_grad(set_to_none)`: True (torch's default) frees the
-    gradients until backward makes them again; False keeps them, zeroed, through the next forward. fake=True runs under FakeTensorMode: every op computes shapes only,
-    so a Llama-3-8B step takes a second and no memory. bf16-mixed trains a bf16 model from fp32
+    gradients until backward makes them again; False keeps them, zeroed, through the next forward.
+    fake=True runs under FakeTensorMode: every op computes shapes only, so a Llama-3-8B step takes a
+    second and no memory. bf16-mixed trains a bf16 model from fp32
     master weights; its optimizer step makes fp32 copies of the gradients (4 bytes per parameter
     during the step, which some frameworks keep for good).
     """

@@ -667,7 +667,8 @@ def test_gpu_fp32_attention_is_not_tf32():
     ("3.7.1", "2.4.6", False), ("3.9.0+git1234", "2.4.6", False), ("3.5.1", "2.3.1rc1", True),
 ])
 def test_interpreter_problem_names_the_triton_numpy_pair_that_breaks_loops(triton_version, numpy_version, refused):
-    # measured: triton 3.6 + numpy 2.4.6 fails every assignment 09 kernel with a loop; 3.6 + 2.2.6 and 3.7.1 + 2.4.6 pass
+    # measured: triton 3.6 + numpy 2.4.6 fails every assignment 09 kernel with a loop;
+    # 3.6 + numpy 2.2.6 and 3.7.1 + numpy 2.4.6 pass
     from picotron.kernels.runtime import interpreter_problem
     problem = interpreter_problem(triton_version, numpy_version)
     assert (problem is not None) == refused
