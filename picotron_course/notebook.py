@@ -2,11 +2,16 @@
 
 One copy here instead of one per chapter; a chapter imports what it needs:
 
-    from picotron_course.notebook import caption, max_diff, slowest_median, sync
+    from picotron_course.notebook import caption, max_diff, show_lines, show_source, slowest_median, sync
+
+show_source and show_lines print picotron's own code, as it is now, so a chapter reads what runs
+rather than a copy that can drift from it.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import statistics
 import textwrap
 
@@ -41,3 +46,40 @@ def slowest_median(per_rank: list[list[float]]) -> float:
     """
     reps = len(per_rank[0])
     return statistics.median(max(rank[i] for rank in per_rank) for i in range(reps))
+
+
+def _source(function) -> tuple[list[str], int, str, str]:
+    """(lines, first line number, file relative to the checkout, qualified name) of a function, a method
+    (a decorated one: its own file, not the decorator's) or a Triton kernel (its Python function)."""
+    function = inspect.unwrap(getattr(function, "fn", function))
+    lines, first = inspect.getsourcelines(function)
+    path = inspect.getsourcefile(function)
+    shown = os.path.relpath(path, os.path.dirname(os.path.dirname(__file__))) if path else "?"
+    return lines, first, shown, function.__qualname__
+
+
+def show_source(*functions) -> None:
+    """Print each function's source as picotron has it now, headed by its file and line numbers."""
+    for function in functions:
+        lines, first, shown, name = _source(function)
+        print(f"# {shown}, lines {first}-{first + len(lines) - 1}: {name}")
+        print("".join(lines))
+
+
+def show_lines(function, *needles: str) -> None:
+    """Print the lines of `function` (as picotron has it now) that contain any of `needles`, each with its line
+    number, "..." where lines are left out: the few lines a paragraph reads, without the rest of the method.
+    Raises if a needle is no longer there, so a chapter cannot go on reading code that changed."""
+    lines, first, shown, name = _source(function)
+    missing = [needle for needle in needles if not any(needle in line for line in lines)]
+    if missing:
+        raise ValueError(f"{missing} not in {name}: picotron's code changed; update the cell")
+    print(f"# {shown}, from {name} (lines {first}-{first + len(lines) - 1}):")
+    previous = None
+    for i, line in enumerate(lines):
+        if any(needle in line for needle in needles):
+            if previous is not None and i > previous + 1:
+                print(f"{'':>5}  ...")
+            print(f"{first + i:>5}  {line.rstrip()}")
+            previous = i
+    print()

@@ -2,12 +2,12 @@
 
 Chapter 03 (ZeRO) keeps on its reading path the idea, the technique's key code (the flat buffer,
 reduce-scatter against all-reduce, a freed and regathered buffer, and picotron's own ZeRO-2 and
-ZeRO-3 methods, shown with `show_source`), each proof's asserts and its one-line verdict. ZeRO-1's
+ZeRO-3 methods, shown with picotron_course.notebook's `show_source`), each proof's asserts and its
+one-line verdict. ZeRO-1's
 step is drawn and described, not written out: assignment 03 asks the learner to write it, and the
 chapter runs picotron's ZeroOptimizer(stage=1) as a black box. What only runs, records, times or
 draws lives here:
 
-    show_source(*functions)                       print picotron's own code, each with its file and lines
     stages_figure()                               what each rank keeps at stages 0-3
     zero1_step_figure()                           ZeRO-1's step on 4 ranks: what each rank holds after each part
     zero1_against_dp(new_model, ...)              ZeroOptimizer(stage=1) and DataParallel side by side
@@ -21,7 +21,6 @@ draws lives here:
     state_per_gpu_figure(config, train, gpu)      Llama-3-8B's state per GPU as N grows
     time_prefetch(new_model, ...)                 ZeRO-3 steps with prefetch on and off, timed
     prefetch_summary(per_rank), prefetch_figure(...)   their step times and waits
-    show_lines(function, *needles)                a few lines of picotron's code, the ones that hold `needles`
     hsdp_figure(shard_groups)                     HSDP's layout: shard groups on nodes, replicate groups across
     OneProcessComputeDtype                        ZeRO-3's compute-dtype recipe on one process, nothing sharded
     hsdp_and_compute_dtype(new_model, ...)        HSDP and bf16-compute ZeRO-3 against one process, step by step
@@ -37,8 +36,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
-import os
 import time
 from contextlib import nullcontext
 
@@ -62,21 +59,6 @@ from picotron_course.notebook import caption, max_diff, slowest_median, sync
 
 MiB = 2**20
 STAGE_NAMES = ("stage 0 (DP)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
-
-
-def show_source(*functions) -> None:
-    """Print each function's source as it is in picotron now, headed by its file and line numbers.
-
-    The chapter reads picotron's own code rather than a copy of it, so what it shows cannot drift
-    from what runs.
-    """
-    for function in functions:
-        function = inspect.unwrap(function)             # a decorated method (torch.no_grad): its own file
-        lines, first = inspect.getsourcelines(function)
-        path = inspect.getsourcefile(function)
-        shown = os.path.relpath(path, os.path.dirname(os.path.dirname(__file__))) if path else "?"
-        print(f"# {shown}, lines {first}-{first + len(lines) - 1}: {function.__qualname__}")
-        print("".join(lines))
 
 
 # ---- 1. the idea -----------------------------------------------------------------------------------
@@ -624,27 +606,6 @@ def prefetch_figure(step_ms: dict, waiting: dict, slowest: dict, world: int, on_
 
 
 # ---- 5. HSDP, and ZeRO-3 with a compute dtype -------------------------------------------------------------
-def show_lines(function, *needles: str) -> None:
-    """Print the lines of `function` (as picotron has it now) that contain any of `needles`, each with its line
-    number, "..." where lines are left out: the few lines a paragraph reads, without the rest of the method."""
-    function = inspect.unwrap(function)
-    lines, first = inspect.getsourcelines(function)
-    path = inspect.getsourcefile(function)
-    shown = os.path.relpath(path, os.path.dirname(os.path.dirname(__file__))) if path else "?"
-    kept = [i for i, line in enumerate(lines) if any(needle in line for needle in needles)]
-    missing = [needle for needle in needles if not any(needle in line for line in lines)]
-    if missing:
-        raise ValueError(f"{missing} not in {function.__qualname__}: picotron's code changed; update the cell")
-    print(f"# {shown}, from {function.__qualname__} (lines {first}-{first + len(lines) - 1}):")
-    previous = None
-    for i in kept:
-        if previous is not None and i > previous + 1:
-            print(f"{'':>5}  ...")
-        print(f"{first + i:>5}  {lines[i].rstrip()}")
-        previous = i
-    print()
-
-
 def hsdp_figure(shard_groups: list[list[int]]) -> None:
     """HSDP's layout: one row per shard group (a node), one box per rank coloured by the shard it holds; the
     shard groups' collectives along the rows, the replicate groups' all-reduce down the columns."""
