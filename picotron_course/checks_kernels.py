@@ -462,20 +462,25 @@ def _attention_data(heads: int, seq: int, head_dim: int, make: str, seed: int):
     return tuple(storage[i, :, :, :head_dim] for i in range(3))
 
 
-_IR_CACHE: dict = {}
-
-
 def _kernel_ir(kernel, named: dict, constexprs: dict) -> "KernelIR":
-    """KernelIR of the kernel for these argument types and constexprs, compiled once while a check runs."""
+    """KernelIR of the kernel for these argument types and constexprs, compiled once while a check runs.
+
+    The cache is an attribute of this function, not a module global: the grader fingerprints this
+    module's globals around every check cell, and a global that a check fills would read as a check
+    rebound by the learner (score 0)."""
     fn = _python_function(kernel)
     kinds = tuple((name, str(v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__)
                   for name, v in named.items() if name not in constexprs)
     key = (fn.__code__, kinds, tuple(sorted(constexprs.items())))
-    if key not in _IR_CACHE:
-        if len(_IR_CACHE) > 16:
-            _IR_CACHE.clear()
-        _IR_CACHE[key] = KernelIR(kernel, named, constexprs)
-    return _IR_CACHE[key]
+    cache = _kernel_ir.cache
+    if key not in cache:
+        if len(cache) > 16:
+            cache.clear()
+        cache[key] = KernelIR(kernel, named, constexprs)
+    return cache[key]
+
+
+_kernel_ir.cache = {}
 
 
 def _arguments(kernel, args: tuple, constexprs: dict) -> dict:
@@ -851,7 +856,7 @@ def _undo_interpreter_patches() -> None:
     """Put triton.language back as it was when this module was imported. The interpreter patches it while a
     kernel runs and undoes that at the end, except for what a @jit library function it calls (tl.max, ...) patched
     in turn (triton 3.9): left as is, the compiler cannot read a kernel any more."""
-    for namespace, attributes in _PRISTINE_LANGUAGE:
+    for namespace, attributes in _undo_interpreter_patches.pristine:
         for name in set(vars(namespace)) - set(attributes):
             delattr(namespace, name)
         for name, value in attributes.items():
@@ -893,4 +898,7 @@ def _jit_copy(fn, made: dict, interpreted):
     return made[id(fn)]
 
 
-_PRISTINE_LANGUAGE = _language_state()       # triton.language before any kernel ran here (see _compilable)
+# triton.language before any kernel ran here (see _compilable). An attribute of the function, not a module global:
+# its value depends on what was imported first, and the grader fingerprints this module's globals against a fresh
+# process's (a global that differs reads as a check rebound by the learner: score 0).
+_undo_interpreter_patches.pristine = _language_state()

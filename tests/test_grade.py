@@ -286,3 +286,17 @@ def test_grade_a_real_exercise(tmp_path):
     assert "not done (NotImplementedError)" in rows["check_recursive_doubling_all_reduce"]
     assert out.strip().endswith("score: 2/5") and "Traceback" not in out
     assert nbformat.read(path, as_version=4).cells[4].outputs == []  # the learner's file is untouched
+
+
+@pytest.mark.parametrize("assignment", sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")))
+def test_every_solution_scores_full_marks(assignment, tmp_path):
+    """The grader, not only nbval, on each solution: a check that changes its own module's globals while it runs
+    (a cache), or whose globals depend on the import order, reads as rebound and scores 0 (assignment 09 did)."""
+    path = tmp_path / f"{assignment}.ipynb"
+    write(nbformat.read(ROOT / "solutions" / f"{assignment}.ipynb", as_version=4), path)
+    done = subprocess.run([sys.executable, "-m", "picotron_course", "grade", str(path)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+    out = done.stdout
+    score = out.strip().splitlines()[-1] if out.strip() else ""
+    got, total = score.removeprefix("score: ").split("/") if score.startswith("score: ") else ("?", "?")
+    assert done.returncode == 0 and got == total, out + done.stderr
