@@ -35,7 +35,10 @@ What the caller can rely on:
   in native code, os._exit, out of memory) is reported with its exit code, ahead of the
   connection errors it causes on the ranks that were waiting for it;
 - after `timeout` seconds every rank is killed and a TimeoutError names the ranks that had
-  not finished; no rank outlives the call, and the rank server dies with the caller;
+  not finished, then says where each rank was: finished, or the collective it waits in (its
+  operation, call number, group, bytes and the line that called it), or computing outside any
+  collective (picotron/collective_trace.py); no rank outlives the call, and the rank server dies
+  with the caller;
 - arguments that cannot work (fn not callable, world_size < 1, a timeout that is not a
   positive number of seconds, an unknown backend) are refused before any rank starts, and so
   is a Python without os.fork (native Windows: the course runs in WSL).
@@ -59,6 +62,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,6 +71,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from picotron import collective_trace
 from picotron.rank_server import RankError, receive, seed_everything, send
 
 __all__ = ["run", "device", "backend_for"]
@@ -233,7 +238,7 @@ class _Launch:
         self.server = _server()
         # The ranks meet through a file store in a fresh directory: no port to choose, and no TCP
         # connect to the store (on some machines one in a few dozen stalls for seconds).
-        store_dir = tempfile.mkdtemp(prefix="picotron-run-")
+        store_dir = self.store_dir = tempfile.mkdtemp(prefix="picotron-run-")
         child_fds = []
         try:
             for rank in range(self.world_size):
@@ -242,7 +247,7 @@ class _Launch:
                 self.ranks.append(_Rank(rank, out_read, result_read, open_fds={out_read, result_read}))
                 child_fds += [out_write, result_write]
             request = {"world_size": self.world_size, "backend": self.backend,
-                       "store": os.path.join(store_dir, "store"),
+                       "store": os.path.join(store_dir, "store"), "trace": store_dir,
                        "seed": self.seed, "timeout": self.timeout, "task": self.task,
                        "cwd": os.getcwd(), "sys_path": list(sys.path), "env": dict(os.environ),
                        "sources": _cell_sources()}
@@ -344,13 +349,19 @@ class _Launch:
                 r.redrawing = False
 
     def _raise_timeout(self) -> None:
+        """Read where each rank is (picotron.collective_trace: the ranks are still alive, killed only after
+        this raises) and raise a TimeoutError that names the stuck ranks, then says where every rank was."""
         stuck = [r.rank for r in self.ranks if not r.result]
+        states = [collective_trace.read(collective_trace.record_path(self.store_dir, r.rank), r.rank)
+                  for r in self.ranks]
         for r in self.ranks:
             self._print(r, final=True)
+        where = collective_trace.report(states, backend=self.backend)
         raise TimeoutError(f"ranks {stuck} had not finished after {self.timeout:g} s; every rank was killed. "
                            "A rank waiting in a collective that another rank never calls hangs like this: "
                            "check that all ranks make the same collective calls in the same order, "
-                           "or raise `timeout`.")
+                           "or raise `timeout`.\nWhere each rank was when the time ran out:\n"
+                           + textwrap.indent(where, "  "))
 
     def _stop_all(self) -> None:
         """Stop every rank (killing it, with its process group, unless all ended well) and learn every exit code."""

@@ -10,11 +10,13 @@ already-imported state, never from a copy of the caller (a notebook that has run
 or touched CUDA). It reports each rank's exit code back as the rank exits, and kills ranks when
 the caller asks, or when the caller itself is gone.
 
-A rank (`rank_main`) adopts the caller's environment (CPU ranks with the GPUs hidden), joins the
-process group through a file store, passes a barrier, runs the function and writes its result,
-or its error with the traceback, to its result pipe; its stdout and stderr go to its output pipe,
-which the caller relays as "[rank r] ...". Only this module runs in the server and the ranks;
-picotron.launch is the caller's side.
+A rank (`rank_main`) adopts the caller's environment (CPU ranks with the GPUs hidden), installs
+picotron.collective_trace (each collective it calls leaves a record that the caller reads if the
+ranks hang), joins the process group through a file store, passes a barrier, runs the function
+and writes its result, or its error with the traceback, to its result pipe; then it waits for the
+other ranks to finish before it leaves the group. Its stdout and stderr go to its output pipe,
+which the caller relays as "[rank r] ...". Only this module (with picotron.collective_trace) runs in the
+server and the ranks; picotron.launch is the caller's side.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from picotron import collective_trace
 
 __all__ = ["RankError", "seed_everything", "serve", "send", "receive"]
 
@@ -208,18 +212,39 @@ def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
         code = 2
     with os.fdopen(result_fd, "wb") as f:
         f.write(data)
+    if code == 0:
+        _leave_group(rank, request, progress)
     os._exit(code)  # skip the server's atexit handlers
+
+
+def _leave_group(rank: int, request: dict, progress: dict) -> None:
+    """After sending its result, a rank waits until every rank has finished before it closes its
+    connections. Closing them at once would turn a collective that a slower rank still calls (on
+    that rank alone) into a "Connection closed by peer" error on gloo, which looks like a crash;
+    waiting makes it the hang it is (as under NCCL), which the caller's timeout then reports with
+    where each rank was. Every rank is killed at the timeout anyway, waiting or not."""
+    try:
+        store = progress["store"]
+        store.set(f"finished-{rank}", "1")
+        store.wait([f"finished-{other}" for other in range(request["world_size"])])
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the result is sent: nothing is left to report to the caller
+        pass
 
 
 def _rank_body(rank: int, request: dict, progress: dict) -> tuple:
     import cloudpickle  # noqa: F401 - loads what cloudpickle dumped
     world_size, backend = request["world_size"], request["backend"]
     timeout = timedelta(seconds=request["timeout"])
+    # Before the task is unpickled (it may import modules that keep a reference to a collective):
+    # from here on every collective leaves a record the caller reads if the ranks hang.
+    collective_trace.install(collective_trace.record_path(request["trace"], rank))
     fn, args, kwargs = pickle.loads(request["task"])
     if backend == "nccl":
         torch.cuda.set_device(rank)
     progress["phase"] = "connecting"
-    store = dist.FileStore(request["store"], world_size)
+    collective_trace.set_phase("connecting")
+    store = progress["store"] = dist.FileStore(request["store"], world_size)
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     # Every rank is connected to every other before any runs fn: without this, a rank whose fn makes no
@@ -227,9 +252,12 @@ def _rank_body(rank: int, request: dict, progress: dict) -> tuple:
     dist.barrier()
     progress["phase"] = "running"
     seed_everything(request["seed"])
-    result = _to_cpu(fn(*args, **kwargs))  # the caller gets CPU tensors, whatever its device
-    dist.destroy_process_group()
-    return ("ok", result)
+    collective_trace.set_phase("running")
+    # The caller gets CPU tensors, whatever its device. Under NCCL the copy waits for the GPU, and so
+    # for this rank's last collectives: the rank has finished only once it is done.
+    result = _to_cpu(fn(*args, **kwargs))
+    collective_trace.set_phase("finished")
+    return ("ok", result)  # then `_leave_group`, after the result is sent
 
 
 def _dumps(payload: tuple, rank: int) -> bytes:
@@ -277,5 +305,19 @@ def _describe(e: BaseException, rank: int) -> dict:
     frames = e.__traceback__
     while frames is not None and frames.tb_next is not None and frames.tb_frame.f_code.co_filename == __file__:
         frames = frames.tb_next  # start at the user's code, not at the launcher's frames around it
+    report = traceback.TracebackException(type(e), e, frames)
+    _drop_trace_frames(report, set())
     return {"type": kind, "rank": rank, "message": f"{type(e).__name__}: {e}" if kind is RankError else str(e),
-            "traceback": "".join(traceback.format_exception(type(e), e, frames))}
+            "traceback": "".join(report.format())}
+
+
+def _drop_trace_frames(report: traceback.TracebackException, seen: set) -> None:
+    """Leave collective_trace's wrappers out of a traceback: the user called torch, not them."""
+    if id(report) in seen:
+        return
+    seen.add(id(report))
+    report.stack = traceback.StackSummary.from_list(
+        [frame for frame in report.stack if frame.filename != collective_trace.__file__])
+    for chained in (report.__cause__, report.__context__):
+        if chained is not None:
+            _drop_trace_frames(chained, seen)
