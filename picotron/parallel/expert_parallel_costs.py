@@ -34,6 +34,7 @@ def ep_comm_bytes(tokens: int, hidden: int, top_k: int, ep: int, dtype_bytes: in
     Dropless: a rank sends its T k slots (T tokens, k = top_k) in dispatch and gets back as many in
     combine; the rows it receives vary with the routing, but every row sent is received, so over
     the ep ranks they average T k. Four all-to-alls of T k h a bytes (h hidden, a bytes per
-    element): 4 T k h a. With a balanced load (ep-1)/ep of it leaves the rank; ep = 1 sends nothing.
+    element): 4 T k h a. With a balanced load (ep-1)/ep of it leaves the rank; ep = 1 sends nothing, so 0
+    (picotron.comm's counter still records the 4 T k h a a 1-rank all-to-all is handed).
     """
     return 0 if ep == 1 else 4 * tokens * top_k * hidden * dtype_bytes
