@@ -1,8 +1,8 @@
 """The harness chapter 07 runs, times and draws: expert parallelism's proofs, measurements and figures.
 
-The chapter keeps the technique in its cells (the router, the all-to-all as an autograd Function,
-`ep_moe`) and the asserts of every proof; this module holds what runs around them, so that the
-reading path stays idea, key code, proof, measurement:
+The chapter keeps the technique in its cells (the router, `ep_moe` on picotron's differentiable
+all-to-all, which assignment 07 writes) and the asserts of every proof; this module holds what
+runs around them, so that the reading path stays idea, key code, proof, measurement:
 
     on ranks (picotron.launch.run sends them; module functions travel by reference)
         ep_moe_vs_plain    the chapter's ep_moe and picotron's ExpertParallelMoE against one device

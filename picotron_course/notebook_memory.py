@@ -1,8 +1,8 @@
 """The harness chapter 01 runs, times and draws: listings, step timings, the figures and the calculator.
 
-Chapter 01 (memory) keeps on its reading path the idea, the technique's key code (the Recompute
-autograd Function), each proof's asserts and its one-line verdict; what only prints, times or
-draws lives here:
+Chapter 01 (memory) keeps on its reading path the idea, the technique's mechanism in prose (it uses
+picotron.model.recompute as a black box: writing it is assignment 01's), each proof's asserts and its
+one-line verdict; what only prints, times or draws lives here:
 
     saved_listing(config, batch, seq)            the tensors one decoder layer saves, one row per storage
     memory_shares_figure(models)                 where a 4096-token step's memory goes, four public shapes
