@@ -658,34 +658,50 @@ def _micro_batches(step: int) -> int:
 def _zero3_train_on_rank(Zero3Unit: type, names: list) -> list:
     rank, out = dist.get_rank(), []
     for name in names:
-        model, guard, step, phase = _model(name), _Guard(), 0, "forward"
+        model, guard, at = _model(name), _Guard(), {"where": "step 0", "phase": "forward"}
         try:
             units = _build_units(Zero3Unit, model, guard)
-            optimizer = torch.optim.AdamW([unit.shard for unit in units], lr=LR)
-            losses, grads, comm, held, full_grads = [], [], [], [], []
-            for step in range(ZERO3_STEPS):
-                micro = _micro_batches(step)
-                step_loss = 0.0
-                for i, part in enumerate(_tokens(name, step, rank).chunk(micro)):  # no zero_grad in between
-                    phase = "forward" if micro == 1 else f"micro-batch {i}, forward"
-                    with recorded_collectives() as calls, guard.reads():
-                        loss = loss_fn(model(part[:, :-1]), part[:, 1:]) / micro   # equal sizes: mean of means
-                        phase = phase.replace("forward", "backward")
-                        loss.backward()
-                    step_loss += loss.item()
-                    comm.append(_per_op(calls))        # per forward and backward pass
-                    held.append(_held(units))
-                    full_grads.append(sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None))
-                losses.append(step_loss)
-                grads.append([None if unit.shard.grad is None else unit.shard.grad.detach().clone() for unit in units])
-                optimizer.step()
-                optimizer.zero_grad()
+
+            def one_pass(part, micro, where):
+                with recorded_collectives() as calls, guard.reads():
+                    at.update(where=where, phase="forward")
+                    output = model(part[:, :-1])
+                    loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
+                    at["phase"] = "backward"
+                    loss.backward()
+                return loss, output, calls
+
+            out.append(_train_units(name, rank, units, one_pass))
         except WrongCollectiveUse as e:
-            out.append({"error": f"step {step}, {phase}: {e}"})
-            continue
-        out.append({"losses": losses, "grads": grads, "comm": comm, "held": held, "full_grads": full_grads,
-                    "shards": [unit.shard.detach().clone() for unit in units]})
+            out.append({"error": f"{at['where']}, {at['phase']}: {e}"})
     return out
+
+
+def _train_units(name: str, rank: int, units: list, one_pass) -> dict:
+    """ZERO3_STEPS AdamW steps over the units' shards, the last over ACCUMULATE micro-batches, with what the
+    ZeRO-3 checks compare: the first logits, each step's loss and gradient shards, each pass's collectives, the
+    bytes held after it and the full gradients left in p.grad, and the final shards. `one_pass(part, micro,
+    where)` runs one micro-batch's forward and backward under the check's recorders and returns (loss,
+    output, recorded calls)."""
+    optimizer = torch.optim.AdamW([unit.shard for unit in units], lr=LR)
+    got = {"logits": None, "losses": [], "grads": [], "comm": [], "held": [], "full_grads": []}
+    for step in range(ZERO3_STEPS):
+        micro = _micro_batches(step)
+        step_loss = 0.0
+        for i, part in enumerate(_tokens(name, step, rank).chunk(micro)):  # no zero_grad in between
+            loss, output, calls = one_pass(part, micro, f"step {step}" + (f", micro-batch {i}" if micro > 1 else ""))
+            if got["logits"] is None:
+                got["logits"] = output.detach().clone()
+            step_loss += loss.item()
+            got["comm"].append(_per_op(calls))        # per forward and backward pass
+            got["held"].append(_held(units))
+            got["full_grads"].append(sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None))
+        got["losses"].append(step_loss)
+        got["grads"].append([None if unit.shard.grad is None else unit.shard.grad.detach().clone() for unit in units])
+        optimizer.step()
+        optimizer.zero_grad()
+    got["shards"] = [unit.shard.detach().clone() for unit in units]
+    return got
 
 
 def _zero3_train_problem(per_rank: list, ref: dict, sizes: list) -> tuple[str, tuple[float, float, float]]:
@@ -1159,7 +1175,7 @@ def _prefetch_on_rank(Zero3Unit: type, Zero3Prefetch: type, names: list) -> list
     # The learner's unit with its own hooks off: Zero3Prefetch wires every unit.
     Unit = type(Zero3Unit.__name__, (Zero3Unit,), {"hook_forward": lambda self: None})
     for name in names:
-        model, where, phase = _model(name), "building the units", ""
+        model, at = _model(name), {"where": "building the units", "phase": ""}
         try:
             layout = prefetch_units(model)
             units = [Unit(module, params, dist.group.WORLD) for _, module, params in layout]
@@ -1167,39 +1183,23 @@ def _prefetch_on_rank(Zero3Unit: type, Zero3Prefetch: type, names: list) -> list
             _not_the_course_answer("check_zero3_prefetch", prefetch)
             timeline = _Timeline([label for label, _, _ in layout], units)
             timeline.watch_all([module for _, module, _ in layout])
-            optimizer = torch.optim.AdamW([unit.shard for unit in units], lr=LR)
-            losses, grads, comm, held, full_grads, logits = [], [], [], [], [], None
-            for step in range(ZERO3_STEPS):
-                micro = _micro_batches(step)
-                step_loss = 0.0
-                for i, part in enumerate(_tokens(name, step, rank).chunk(micro)):  # no zero_grad in between
-                    where = f"step {step}" + (f", micro-batch {i}" if micro > 1 else "")
-                    with recorded_collectives(timeline.observe) as calls, timeline.reads(), timeline.guard_frees():
-                        phase = "forward"
-                        timeline.begin(phase, where)
-                        output = model(part[:, :-1])
-                        timeline.finish()
-                        loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
-                        phase = "backward"
-                        timeline.begin(phase, where)
-                        loss.backward()
-                        timeline.finish()
-                    if logits is None:
-                        logits = output.detach().clone()
-                    step_loss += loss.item()
-                    comm.append(_per_op(calls))
-                    held.append(_held(units))
-                    full_grads.append(sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None))
-                losses.append(step_loss)
-                grads.append([None if unit.shard.grad is None else unit.shard.grad.detach().clone() for unit in units])
-                optimizer.step()
-                optimizer.zero_grad()
+
+            def one_pass(part, micro, where):
+                with recorded_collectives(timeline.observe) as calls, timeline.reads(), timeline.guard_frees():
+                    at.update(where=where, phase="forward")
+                    timeline.begin("forward", where)
+                    output = model(part[:, :-1])
+                    timeline.finish()
+                    loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
+                    at["phase"] = "backward"
+                    timeline.begin("backward", where)
+                    loss.backward()
+                    timeline.finish()
+                return loss, output, calls
+
+            out.append({**_train_units(name, rank, units, one_pass), "passes": timeline.passes})
         except WrongCollectiveUse as e:
-            out.append({"error": f"{where}{f', {phase}' if phase else ''}: {e}"})
-            continue
-        out.append({"logits": logits, "losses": losses, "grads": grads, "comm": comm, "held": held,
-                    "full_grads": full_grads, "shards": [unit.shard.detach().clone() for unit in units],
-                    "passes": timeline.passes})
+            out.append({"error": f"{at['where']}{', ' + at['phase'] if at['phase'] else ''}: {e}"})
     return out
 
 
