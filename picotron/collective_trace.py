@@ -37,8 +37,9 @@ the work). Under NCCL a collective returns as soon as it is queued on the GPU, s
 one usually waits at its next synchronisation (`.item()`, `.cpu()`): the report then shows it "not
 in a collective" and names its last collective, the one to suspect.
 
-picotron.launch uses this for `run`'s TimeoutError; a notebook extension can use it for its own
-hang report (`install` and `set_phase` in the rank, `read` and `report` in the watcher).
+picotron.launch uses this for `run`'s TimeoutError, and picotron.ranks for the hang report of a
+`%%ranks` cell (`install`, `set_phase` and, at each cell, `reset` in the rank; `read` and `report` in
+the watcher).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["RECORD_BYTES", "Collective", "RankState", "install", "set_phase", "record_path", "read", "report",
-           "original"]
+__all__ = ["RECORD_BYTES", "Collective", "RankState", "install", "set_phase", "reset", "record_path", "read",
+           "report", "original"]
 
 RECORD_BYTES = 1024
 _SEPARATOR = "\x1f"  # between the fields of a record (a character no file name or operation name holds)
@@ -172,6 +173,14 @@ def set_phase(phase: str) -> None:
     _tracing = phase == "running"
     if _record is not None:
         _record[:1] = _PHASE_BYTES[phase]
+
+
+def reset() -> None:
+    """Count calls from #1 again and forget the last collective (a live rank, at the start of each cell)."""
+    _calls.clear()
+    _groups.clear()  # a regroup replaces the default group
+    if _record is not None:
+        _record[1:2] = b"\0"
 
 
 def original(name: str):
@@ -430,6 +439,8 @@ def _size(nbytes: int) -> str:
 def _place(file: str, line: int) -> str:
     """A line of a notebook cell as Jupyter's tracebacks name it ("Cell In[3], line 5"), of a file as
     "file:line", the file relative to the working directory when it lies under it."""
+    if file.startswith("Cell In["):  # a %%ranks cell (picotron.ranks) is named so already
+        return f"{file}, line {line}"
     shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
     named = getattr(getattr(shell, "compile", None), "format_code_name", lambda name: None)(file)
     if named:

@@ -37,8 +37,8 @@ What the caller can rely on:
 - after `timeout` seconds every rank is killed and a TimeoutError names the ranks that had
   not finished, then says where each rank was: finished, or the collective it waits in (its
   operation, call number, group, bytes and the line that called it), or computing outside any
-  collective (picotron/collective_trace.py); no rank outlives the call, and the rank server dies
-  with the caller;
+  collective (picotron/collective_trace.py; the same as data in the error's `rank_states`); no
+  rank outlives the call, and the rank server dies with the caller;
 - arguments that cannot work (fn not callable, world_size < 1, a timeout that is not a
   positive number of seconds, an unknown backend) are refused before any rank starts, and so
   is a Python without os.fork (native Windows: the course runs in WSL).
@@ -331,22 +331,7 @@ class _Launch:
             self._print(r, final=True)
 
     def _print(self, r: _Rank, final: bool = False) -> None:
-        """Print the rank's complete lines with a "[rank r]" prefix. A progress bar redraws
-        its line after a carriage return: relay that as a redraw, not as a new line."""
-        pieces = re.split(rb"(\r|\n)", r.out_buffer)  # text, separator, text, ..., unfinished rest
-        r.out_buffer = pieces.pop()
-        if final and r.out_buffer:
-            pieces += [r.out_buffer, b"\n"]
-            r.out_buffer = b""
-        for text, separator in zip(pieces[::2], pieces[1::2]):
-            line = f"[rank {r.rank}] {text.decode(errors='replace')}"
-            if separator == b"\r":
-                if text.strip():
-                    print("\r" + line, end="", flush=True)
-                    r.redrawing = True
-            else:
-                print(("\r" if r.redrawing else "") + line, flush=True)
-                r.redrawing = False
+        relay_output(r, final)
 
     def _raise_timeout(self) -> None:
         """Read where each rank is (picotron.collective_trace: the ranks are still alive, killed only after
@@ -357,11 +342,13 @@ class _Launch:
         for r in self.ranks:
             self._print(r, final=True)
         where = collective_trace.report(states, backend=self.backend)
-        raise TimeoutError(f"ranks {stuck} had not finished after {self.timeout:g} s; every rank was killed. "
+        error = TimeoutError(f"ranks {stuck} had not finished after {self.timeout:g} s; every rank was killed. "
                            "A rank waiting in a collective that another rank never calls hangs like this: "
                            "check that all ranks make the same collective calls in the same order, "
                            "or raise `timeout`.\nWhere each rank was when the time ran out:\n"
                            + textwrap.indent(where, "  "))
+        error.rank_states = states  # the same, as data (collective_trace.RankState per rank)
+        raise error
 
     def _stop_all(self) -> None:
         """Stop every rank (killing it, with its process group, unless all ended well) and learn every exit code."""
@@ -404,6 +391,26 @@ class _Launch:
         if not errors:
             return ""
         return "; then " + ", ".join(f"rank {r.rank}" for r in errors) + " failed waiting for it"
+
+
+def relay_output(r, final: bool = False) -> None:
+    """Print rank `r.rank`'s complete lines (from `r.out_buffer`) with a "[rank r]" prefix. A progress
+    bar redraws its line after a carriage return: relay that as a redraw, not as a new line
+    (`r.redrawing` remembers one). `final`: the rank is done, print its unfinished line too."""
+    pieces = re.split(rb"(\r|\n)", r.out_buffer)  # text, separator, text, ..., unfinished rest
+    r.out_buffer = pieces.pop()
+    if final and r.out_buffer:
+        pieces += [r.out_buffer, b"\n"]
+        r.out_buffer = b""
+    for text, separator in zip(pieces[::2], pieces[1::2]):
+        line = f"[rank {r.rank}] {text.decode(errors='replace')}"
+        if separator == b"\r":
+            if text.strip():
+                print("\r" + line, end="", flush=True)
+                r.redrawing = True
+        else:
+            print(("\r" if r.redrawing else "") + line, flush=True)
+            r.redrawing = False
 
 
 class _NotConnected(Exception):

@@ -15,7 +15,9 @@ picotron.collective_trace (each collective it calls leaves a record that the cal
 ranks hang), joins the process group through a file store, passes a barrier, runs the function
 and writes its result, or its error with the traceback, to its result pipe; then it waits for the
 other ranks to finish before it leaves the group. Its stdout and stderr go to its output pipe,
-which the caller relays as "[rank r] ...". Only this module (with picotron.collective_trace) runs in the
+which the caller relays as "[rank r] ...". A live rank (picotron.ranks, `%%ranks` cells) joins the
+group the same way, then runs the commands it reads from a third pipe until it is told to stop
+(`_live`). Only this module (with picotron.collective_trace) runs in the
 server and the ranks; picotron.launch is the caller's side.
 """
 
@@ -135,7 +137,7 @@ def serve(fd: int) -> None:
                 continue
             try:
                 pids = []
-                for rank in range(request["world_size"]):
+                for rank in request.get("ranks", range(request["world_size"])):
                     pid = os.fork()
                     if pid == 0:
                         os.close(wake_read)
@@ -172,8 +174,14 @@ def _reap(running: set[int]) -> list[tuple[int, int]]:
 
 # ---- a rank ------------------------------------------------------------------------------------
 def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
-    """In a freshly forked rank: adopt the caller's environment, run the task, send the result."""
-    out_fd, result_fd = fds[2 * rank], fds[2 * rank + 1]
+    """In a freshly forked rank: adopt the caller's environment, run the task, send the result.
+    A live rank (request["live"], picotron.ranks) runs commands instead, until told to stop."""
+    # Each rank gets an output and a result pipe; a live rank also a command pipe. A restarted
+    # live rank is forked alone (request["ranks"]): its pipes are then the first.
+    per_rank = 3 if request.get("live") else 2
+    index = list(request.get("ranks", range(request["world_size"]))).index(rank)
+    mine = fds[per_rank * index:per_rank * (index + 1)]
+    out_fd, result_fd = mine[:2]
     code = 0
     progress = {"phase": "starting"}  # then "connecting" (joining the process group), then "running"
     try:
@@ -182,7 +190,7 @@ def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
         os.setpgid(0, 0)  # own process group: killing it takes any grandchildren too
         _die_with_parent()
         for descriptor in fds:  # the other ranks' pipes belong to them
-            if descriptor not in (out_fd, result_fd):
+            if descriptor not in mine:
                 os.close(descriptor)
         # Point fds 1 and 2 at the pipe, so prints, warnings and C++ logs all come back.
         os.dup2(out_fd, 1)
@@ -198,6 +206,8 @@ def _rank_main(rank: int, request: dict, fds: list[int]) -> None:
         sys.path[:] = request["sys_path"]
         linecache.cache.update(request["sources"])
         torch.set_num_threads(1)
+        if request.get("live"):
+            _live(rank, request, progress, result_fd, mine[2])  # never returns
         payload = _rank_body(rank, request, progress)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
         payload = ("error", {**_describe(e, rank), "phase": progress["phase"]})
@@ -234,22 +244,13 @@ def _leave_group(rank: int, request: dict, progress: dict) -> None:
 
 def _rank_body(rank: int, request: dict, progress: dict) -> tuple:
     import cloudpickle  # noqa: F401 - loads what cloudpickle dumped
-    world_size, backend = request["world_size"], request["backend"]
-    timeout = timedelta(seconds=request["timeout"])
     # Before the task is unpickled (it may import modules that keep a reference to a collective):
     # from here on every collective leaves a record the caller reads if the ranks hang.
     collective_trace.install(collective_trace.record_path(request["trace"], rank))
     fn, args, kwargs = pickle.loads(request["task"])
-    if backend == "nccl":
+    if request["backend"] == "nccl":
         torch.cuda.set_device(rank)
-    progress["phase"] = "connecting"
-    collective_trace.set_phase("connecting")
-    store = progress["store"] = dist.FileStore(request["store"], world_size)
-    store.set_timeout(timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    # Every rank is connected to every other before any runs fn: without this, a rank whose fn makes no
-    # collective call can finish and close its sockets while a peer still completes their connection.
-    dist.barrier()
+    _join(rank, request, request["store"], progress)
     progress["phase"] = "running"
     seed_everything(request["seed"])
     collective_trace.set_phase("running")
@@ -258,6 +259,181 @@ def _rank_body(rank: int, request: dict, progress: dict) -> tuple:
     result = _to_cpu(fn(*args, **kwargs))
     collective_trace.set_phase("finished")
     return ("ok", result)  # then `_leave_group`, after the result is sent
+
+
+def _join(rank: int, request: dict, store_path: str, progress: dict) -> None:
+    """Join the process group through the file store at `store_path`, and pass a barrier."""
+    world_size = request["world_size"]
+    timeout = timedelta(seconds=request["timeout"])
+    progress["phase"] = "connecting"
+    collective_trace.set_phase("connecting")
+    store = progress["store"] = dist.FileStore(store_path, world_size)
+    store.set_timeout(timeout)
+    dist.init_process_group(request["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # Every rank is connected to every other before any runs fn: without this, a rank whose fn makes no
+    # collective call can finish and close its sockets while a peer still completes their connection.
+    dist.barrier()
+
+
+# ---- a live rank (picotron.ranks: %%ranks cells) ------------------------------------------------
+# The caller sends commands on the rank's command pipe and reads the answers on its result pipe,
+# both in frames (4 bytes of length, then a cloudpickle). A command is ("exec", cell), ("push",
+# values), ("pull", names), ("status",), ("regroup", store path) or ("stop",); every command
+# gets one answer, ("ok", value) or ("error", what _describe says), and a rank starts by sending
+# ("ready", status) once it is in the process group.
+def _live(rank: int, request: dict, progress: dict, result_fd: int, command_fd: int) -> None:
+    import cloudpickle  # noqa: F401 - loads what cloudpickle dumped (pushed values)
+    collective_trace.install(collective_trace.record_path(request["trace"], rank))
+    if request["backend"] == "nccl":
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if request["backend"] == "nccl" else torch.device("cpu")
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__, "torch": torch, "dist": dist,
+                 "rank": rank, "world_size": request["world_size"], "device": device}
+    running = [False]  # SIGINT (the caller interrupting a cell) raises only while a cell runs
+
+    def interrupted(signum, frame):
+        if running[0]:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+
+    def answer(message: tuple) -> None:
+        sys.stdout.flush()  # what the rank printed reaches the caller before the answer
+        sys.stderr.flush()
+        data = _dumps(message, rank)
+        _write_all(result_fd, _FRAME.pack(len(data)) + data)
+
+    try:
+        _join(rank, request, request["store"], progress)
+        seed_everything(request["seed"])
+        collective_trace.set_phase("finished")
+        answer(("ready", _live_status(device)))
+    except BaseException as e:  # noqa: BLE001 - the caller says why the ranks could not start
+        answer(("error", {**_describe(e, rank), "phase": progress["phase"]}))
+        os._exit(1)
+    while True:
+        command = _read_frame(command_fd)
+        if command is None or command[0] == "stop":  # the caller is gone, or says stop
+            try:
+                dist.destroy_process_group()
+            finally:
+                os._exit(0)
+        kind = command[0]
+        try:
+            if kind == "exec":
+                collective_trace.reset()
+                collective_trace.set_phase("running")
+                running[0] = True
+                try:
+                    value = _run_cell(command[1], namespace)
+                finally:
+                    running[0] = False
+                    collective_trace.set_phase("finished")
+            elif kind == "push":
+                namespace.update(pickle.loads(command[1]))
+                value = None
+            elif kind == "pull":
+                value = [_to_cpu(namespace[name]) if name in namespace else _Missing(name) for name in command[1]]
+            elif kind == "status":
+                value = _live_status(device)
+            elif kind == "regroup":  # a rank was restarted: every rank joins a new process group
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - the old group is broken: that is why it is replaced
+                    pass
+                _join(rank, request, command[1], progress)
+                collective_trace.reset()
+                collective_trace.set_phase("finished")
+                value = None
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+            reply = ("ok", value)
+        except BaseException as e:  # noqa: BLE001 - the cell's error goes to the caller; the rank lives on
+            reply = ("error", _describe(e, rank))
+        answer(reply)
+
+
+class _Missing:
+    """What a rank sends back for a name its namespace lacks."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _run_cell(cell: dict, namespace: dict):
+    """Run a cell's code in the rank's namespace, as Jupyter does: the value of a last expression
+    (unless the cell ends with ';') comes back as its text (and HTML, when it has one)."""
+    import ast
+    linecache.cache[cell["file"]] = (len(cell["text"]), None, cell["text"].splitlines(True), cell["file"])
+    # Blank lines in front keep the cell's own line numbers (its first line is the %%ranks line).
+    source = "\n" * (cell["first_line"] - 1) + cell["code"]
+    tree = ast.parse(source, cell["file"])
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not cell["code"].rstrip().endswith(";"):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, cell["file"], "exec"), namespace)
+    if last is None:
+        return None
+    value = eval(compile(last, cell["file"], "eval"), namespace)
+    if value is None:
+        return None
+    shown = {"text/plain": repr(value)}
+    html = getattr(value, "_repr_html_", None)
+    if callable(html):
+        try:
+            shown["text/html"] = html()
+        except Exception:  # noqa: BLE001 - the text is enough
+            pass
+    return shown
+
+
+def _live_status(device: torch.device) -> dict:
+    """What `%ranks status` shows of a rank: its pid, device and memory."""
+    status = {"pid": os.getpid(), "device": str(device), "rss": _resident_bytes()}
+    if device.type == "cuda":
+        status["gpu_allocated"] = torch.cuda.memory_allocated(device)
+        status["gpu_reserved"] = torch.cuda.memory_reserved(device)
+    return status
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux: /proc; elsewhere its peak, from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _read_frame(fd: int):
+    """The next frame on a pipe, unpickled; None once the other end is closed."""
+    header = _read_fd(fd, _FRAME.size)
+    if header is None:
+        return None
+    data = _read_fd(fd, _FRAME.unpack(header)[0])
+    return None if data is None else pickle.loads(data)
+
+
+def _read_fd(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        try:
+            chunk = os.read(fd, min(n, 1 << 20))
+        except InterruptedError:
+            continue
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _dumps(payload: tuple, rank: int) -> bytes:
