@@ -114,8 +114,11 @@ class CellResult:
         parts = []
         if self.errors:
             first = min(self.errors)
-            kinds = ", ".join(f"rank {r} raised {self.errors[r]['type'].__name__}" for r in sorted(self.errors))
-            parts.append(f"{kinds} (traceback{'s' if len(self.errors) > 1 else ''} above; rank {first}: "
+            by_type: dict = {}
+            for r in sorted(self.errors):
+                by_type.setdefault(self.errors[r]["type"].__name__, []).append(r)
+            kinds = ", ".join(f"{_ranks(ranks)} raised {name}" for name, ranks in by_type.items())
+            parts.append(f"{kinds} (traceback above; rank {first}: "
                          f"{_first_line(self.errors[first]['message'])})")
         for r, code in sorted(self.died.items()):
             parts.append(f"rank {r} exited during the cell (exit code {code})")
@@ -166,6 +169,7 @@ class Ranks:
         text = text if text is not None else "\n" * (first_line - 1) + code
         import linecache
         linecache.cache[file] = (len(text), None, text.splitlines(True), file)  # for the hang report's lines
+        compile("\n" * (first_line - 1) + code, file, "exec")  # a SyntaxError is shown here, not N times
         result = CellResult(targets)
         cell = {"code": code, "file": file, "first_line": first_line, "text": text}
         for r in targets:
@@ -641,12 +645,20 @@ def _magic(line: str, cell: str | None = None):
             raise RanksError(f"%%ranks {line}: unknown {words[0]!r}\n{_USAGE}")
         number = shell.execution_count
         file = f"Cell In[{number}]"
-        result = _current.execute(cell, targets=targets, timeout=options.get("timeout"), file=file, first_line=2,
-                                  text=f"%%ranks {line}\n{cell}")
+        try:
+            result = _current.execute(cell, targets=targets, timeout=options.get("timeout"), file=file, first_line=2,
+                                      text=f"%%ranks {line}\n{cell}")
+        except SyntaxError as e:  # found before any rank ran the cell: the error alone, no magic frames
+            import traceback
+            raise RanksError("the cell is not valid Python, so no rank ran it:\n"
+                             + "".join(traceback.format_exception_only(type(e), e)).rstrip()) from None
         _last = result
+        by_traceback: dict = {}  # ranks that raised the same error show it once
         for r in sorted(result.errors):
-            print(f"--- rank {r} raised {result.errors[r]['type'].__name__} ---\n"
-                  f"{result.errors[r]['traceback'].rstrip()}", file=sys.stderr)
+            by_traceback.setdefault(result.errors[r]["traceback"], []).append(r)
+        for text, ranks in by_traceback.items():
+            print(f"--- {_ranks(ranks)} raised {result.errors[ranks[0]]['type'].__name__} ---\n{text.rstrip()}",
+                  file=sys.stderr)
         shown = {r: v for r, v in result.values.items() if v is not None}
         if shown:
             from IPython.display import display
