@@ -111,7 +111,8 @@ class CellResult:
         """The RanksError to raise for this cell (None when every rank completed it)."""
         if self.why is None and not self.errors and not self.died:
             return None
-        parts = []
+        # A rank that exited comes first: the errors of ranks that were talking to it follow from it.
+        parts = [f"rank {r} exited during the cell (exit code {code})" for r, code in sorted(self.died.items())]
         if self.errors:
             first = min(self.errors)
             by_type: dict = {}
@@ -120,8 +121,6 @@ class CellResult:
             kinds = ", ".join(f"{_ranks(ranks)} raised {name}" for name, ranks in by_type.items())
             parts.append(f"{kinds} (traceback above; rank {first}: "
                          f"{_first_line(self.errors[first]['message'])})")
-        for r, code in sorted(self.died.items()):
-            parts.append(f"rank {r} exited during the cell (exit code {code})")
         message = "; ".join(parts)
         if self.why is not None:
             message = (message + ".\n" if message else "") + self.report

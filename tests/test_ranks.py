@@ -186,6 +186,15 @@ def test_the_stop_button_interrupts_the_ranks(kernel):
     assert columns(kernel.ok("%%ranks\nmine")) == {0: "300", 1: "301"}
 
 
+def test_a_rank_that_exits_is_named_first_and_restarted(kernel):
+    kernel.ok("%%ranks\nmine = 400 + rank")
+    text, status = kernel.cell("%%ranks\nimport os\nif rank == 1:\n    os._exit(3)\ndist.barrier()")
+    assert status == "error" and "RanksError: rank 1 exited during the cell (exit code 3)" in text, text
+    assert "restarted rank 1: its variables are gone" in text and "rank 0 kept its variables" in text
+    text, status = kernel.cell("%%ranks\nmine")
+    assert columns(text) == {0: "400"} and "rank 1 raised NameError" in text
+
+
 def test_status_and_restart(kernel):
     text = kernel.ok("%ranks status")
     assert re.search(r"^0\s+\d+\s+yes\s+cpu\s+\d+ MiB resident$", text, re.M), text
