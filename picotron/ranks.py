@@ -642,8 +642,7 @@ def _magic(line: str, cell: str | None = None):
             targets = [int(t) for t in words.pop(0).split(",")]
         if words:
             raise RanksError(f"%%ranks {line}: unknown {words[0]!r}\n{_USAGE}")
-        number = shell.execution_count
-        file = f"Cell In[{number}]"
+        file = _cell_name(shell)
         try:
             result = _current.execute(cell, targets=targets, timeout=options.get("timeout"), file=file, first_line=2,
                                       text=f"%%ranks {line}\n{cell}")
@@ -708,6 +707,19 @@ def _magic(line: str, cell: str | None = None):
         _current.push({w: shell.user_ns[w] for w in words})
         return None
     raise RanksError(f"%ranks {command}: unknown command\n{_USAGE}")
+
+
+def _cell_name(shell) -> str:
+    """"Cell In[N]" for the cell running this magic, as IPython's own tracebacks name it: found from the file
+    IPython compiled the cell into (its execution count has already moved on while the cell runs)."""
+    frame = sys._getframe(1)
+    name_of = getattr(shell.compile, "format_code_name", lambda file: None)
+    while frame is not None:
+        named = name_of(frame.f_code.co_filename)
+        if named:
+            return " ".join(named)
+        frame = frame.f_back
+    return f"Cell In[{shell.execution_count}]"
 
 
 def _options(words: list[str]) -> dict:

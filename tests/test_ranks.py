@@ -28,16 +28,13 @@ class Kernel:
     def cell(self, code: str, timeout: float = 120) -> tuple[str, str]:
         shown = []
         reply = self.client.execute_interactive(code, timeout=timeout, output_hook=shown.append)
+        self.number = reply["content"]["execution_count"]  # the cell's In[N], as Jupyter shows it
         return _text(shown), reply["content"]["status"]
 
     def ok(self, code: str) -> str:
         text, status = self.cell(code)
         assert status == "ok", text
         return text
-
-    def count(self) -> int:
-        """The execution count the next cell will get (Jupyter's In[N])."""
-        return int(self.ok("print(get_ipython().execution_count)").split()[-1]) + 1
 
     def pid(self) -> int:
         return int(self.ok("import os; print(os.getpid())").split()[-1])
@@ -107,10 +104,9 @@ def test_output_streams_as_the_ranks_print(kernel):
 
 # ---- (3) an exception on one rank -------------------------------------------------------------------
 def test_an_exception_shows_the_cells_own_line_and_the_ranks_stay(kernel):
-    n = kernel.count()
     text, status = kernel.cell("%%ranks\nkept = rank\nif rank == 1:\n    1 / 0\nkept")
     assert status == "error"
-    assert f'File "Cell In[{n}]", line 4, in <module>\n    1 / 0' in text, text
+    assert f'File "Cell In[{kernel.number}]", line 4, in <module>\n    1 / 0' in text, text
     assert "RanksError: rank 1 raised ZeroDivisionError" in text
     assert columns(text) == {0: "0"}  # rank 0 finished the cell and showed its value
     assert columns(kernel.ok("%%ranks\nkept")) == {0: "0", 1: "1"}
@@ -119,14 +115,13 @@ def test_an_exception_shows_the_cells_own_line_and_the_ranks_stay(kernel):
 # ---- (4) hangs: the report, then recovery -------------------------------------------------------------
 def test_a_collective_on_one_rank_is_reported_and_the_stuck_rank_restarted(kernel):
     kernel.ok("%%ranks\nmine = 100 + rank")
-    n = kernel.count()
     started = time.monotonic()
     text, status = kernel.cell("%%ranks\nt = torch.ones(1024)\ndist.all_reduce(t)\nif rank == 1:\n"
                                "    dist.all_reduce(t)\n")
     assert status == "error" and time.monotonic() - started < 20
     assert "The cell cannot finish: rank 1 waits in a collective that will never complete." in text
     assert "rank 0 finished the cell after all_reduce #1 of group [0, 1] (4 KiB)" in text
-    assert re.search(rf"rank 1 waits in all_reduce #2 of group \[0, 1\] \(4 KiB\) for [\d.]+ s, at Cell In\[{n}\], "
+    assert re.search(rf"rank 1 waits in all_reduce #2 of group \[0, 1\] \(4 KiB\) for [\d.]+ s, at Cell In\[{kernel.number}\], "
                      r"line 5: `dist.all_reduce\(t\)`", text), text
     assert "restarted rank 1: its variables are gone" in text and "rank 0 kept its variables" in text
     text, status = kernel.cell("%%ranks\nmine")
@@ -135,12 +130,11 @@ def test_a_collective_on_one_rank_is_reported_and_the_stuck_rank_restarted(kerne
 
 
 def test_a_mismatched_pair_is_reported_on_both_ranks(kernel):
-    n = kernel.count()
     text, status = kernel.cell("%%ranks\nt = torch.ones(4)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n"
                                "    dist.broadcast(t, src=1)\n")
     assert status == "error"
-    assert f"rank 0 waits in all_reduce #1 of group [0, 1] (16 B)" in text and f"Cell In[{n}], line 4" in text
-    assert f"rank 1 waits in broadcast #1 from 1 of group [0, 1] (16 B)" in text and f"Cell In[{n}], line 6" in text
+    assert f"rank 0 waits in all_reduce #1 of group [0, 1] (16 B)" in text and f"Cell In[{kernel.number}], line 4" in text
+    assert f"rank 1 waits in broadcast #1 from 1 of group [0, 1] (16 B)" in text and f"Cell In[{kernel.number}], line 6" in text
     assert "restarted ranks 0 and 1" in text
     assert columns(kernel.ok("%%ranks\nrank")) == {0: "0", 1: "1"}
 
@@ -205,10 +199,9 @@ def test_status_and_restart(kernel):
 
 
 def test_a_syntax_error_is_shown_once_and_runs_nowhere(kernel):
-    n = kernel.count()
     text, status = kernel.cell("%%ranks\nnever = 1\ny = (\n")
     assert status == "error" and text.startswith("RanksError: the cell is not valid Python, so no rank ran it:\n"
-                                                 f'  File "Cell In[{n}]", line 3'), text
+                                                 f'  File "Cell In[{kernel.number}]", line 3'), text
     assert "never" not in kernel.ok("%%ranks\nsorted(globals())")
 
 
