@@ -54,7 +54,9 @@ from picotron.launch import device, run
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "close_in_training", "max_abs_error",
            "mismatch", "on_ranks", "one_thread", "patched", "collective_patches", "collectives_observed", "payload_of",
            "tensors_in", "only_point_to_point", "watch_calls", "refusing", "check_chunk_to_send", "check_reduce_scatter_phase",
-           "check_all_gather_phase", "check_ring_all_reduce", "check_recursive_doubling_all_reduce"]
+           "check_all_gather_phase", "check_ring_all_reduce", "check_recursive_doubling_all_reduce",
+           "check_hang_diagnosis", "gradient_per_micro_batch", "mean_gradient", "shard", "first_weights",
+           "batch_gradient", "FEATURES", "MICRO_BATCH", "HANG_SPLIT"]
 
 # ---- which functions an answer called ----------------------------------------------------------
 @contextmanager
@@ -685,3 +687,144 @@ def _no_messages() -> Iterator[None]:
 
 def _sizes(messages: list[int]) -> str:
     return "/".join(str(size) for size in sorted(set(messages))) or "0"
+
+
+# ---- 00, part 8: diagnose a hang ------------------------------------------------------------------
+# Data parallelism over an uneven split: each rank all-reduces its gradient after each of its own
+# micro-batches, so the rank with one micro-batch more makes an all_reduce that no other rank makes and
+# waits in it forever. The learner reads the hang report (picotron/collective_trace.py) and fixes the
+# function. The check finds the truth the same way, from `run`'s TimeoutError.rank_states.
+FEATURES = 4                                    # weights of the linear model
+MICRO_BATCH = 4                                 # examples per micro-batch
+HANG_SPLIT = (8, 8, 9, 8)                       # examples per rank: 2, 2, 3 and 2 micro-batches
+FIX_SPLITS = (HANG_SPLIT, (0, 7, 2, 5), (5, 13, 1), (12, 3))   # a rank without data; 3 and 2 ranks
+HANG_TIMEOUTS = (3.0, 12.0)                     # the second try: a loaded machine had not reached the hang
+FIX_TIMEOUT = 10.0                              # a fix that still hangs fails after this many seconds
+
+
+def shard(rank: int, split: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s examples (x, y): `split[rank]` consecutive rows of one dataset of sum(split) examples."""
+    x, y = _examples(sum(split))
+    start = sum(split[:rank])
+    return x[start:start + split[rank]], y[start:start + split[rank]]
+
+
+def _examples(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(n, FEATURES, generator=generator, dtype=torch.float64)
+    return x, x.sum(dim=1) + 0.1 * torch.randn(n, generator=generator, dtype=torch.float64)
+
+
+def first_weights() -> torch.Tensor:
+    """The weights rank 0 starts from; it broadcasts them to the others."""
+    return torch.randn(FEATURES, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+
+def batch_gradient(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gradient of the summed squared error, sum of (x w - y)^2 / 2 over the examples, by backward
+    (zeros for no examples)."""
+    w = w.detach().requires_grad_()
+    (0.5 * (x @ w - y).square().sum()).backward()
+    return w.grad
+
+
+def gradient_per_micro_batch(split: tuple) -> torch.Tensor:
+    """The mean gradient over every example of `split` (examples per rank), all-reduced after each micro-batch."""
+    rank = dist.get_rank()
+    w = first_weights() if rank == 0 else torch.empty(FEATURES, dtype=torch.float64)
+    dist.broadcast(w, src=0)                     # every rank starts from rank 0's weights
+    x, y = shard(rank, split)
+    grad = torch.zeros_like(w)
+    for xb, yb in zip(x.split(MICRO_BATCH), y.split(MICRO_BATCH)):
+        g = batch_gradient(w, xb, yb)
+        # this micro-batch's gradient, summed over the ranks
+        dist.all_reduce(g)
+        grad += g
+    return grad / sum(split)
+
+
+def mean_gradient(split: tuple) -> torch.Tensor:
+    """One process's answer: the gradient of the mean squared error over every example of `split`."""
+    x, y = _examples(sum(split))
+    return batch_gradient(first_weights(), x, y) / sum(split)
+
+
+def check_hang_diagnosis(hang: dict, fixed_fn: Callable) -> None:
+    """`hang` names what the report of gradient_per_micro_batch on HANG_SPLIT shows: the rank that waits, the
+    operation and its call number (from 1). Then `fixed_fn(split)` must return mean_gradient(split) on every
+    rank, without hanging, on every split of FIX_SPLITS."""
+    if not isinstance(hang, dict):
+        raise AssertionError(f'hang is a {type(hang).__name__}; write a dict: {{"rank": ..., "op": ..., "call": ...}}')
+    waiting, finished = _hang_of(gradient_per_micro_batch, HANG_SPLIT)
+    with Report("hang_diagnosis", note=f"gradient_per_micro_batch{HANG_SPLIT} on {len(HANG_SPLIT)} ranks") as report:
+        for key, hint in _diagnosis_hints(hang, waiting, finished):
+            report.add(not hint, hint, what=key, yours=repr(hang.get(key)))
+    with Report("fixed gradient", note="every rank's result against one process's mean_gradient") as report:
+        for split in FIX_SPLITS:
+            expected, detail = mean_gradient(split), ""
+            try:
+                per_rank = run(_fixed_on_rank, len(split), args=(fixed_fn, split), timeout=FIX_TIMEOUT,
+                               backend="gloo")
+            except TimeoutError as error:   # the first hang is the one to fix: no more splits
+                where = str(error).split("\n", 1)[-1]   # "Where each rank was ...", one line per rank
+                report.add(False, f"split {split}: the ranks hung. {where}", split=split, world=len(split))
+                break
+            for rank, got in enumerate(per_rank):
+                if not isinstance(got, torch.Tensor):
+                    detail = detail or f"split {split}, rank {rank}: returned a {type(got).__name__}, not a tensor"
+                elif not close_enough(got, expected, n=sum(split)):
+                    detail = detail or f"split {split}, rank {rank}: {mismatch(got, expected)}"
+            errors = [max_abs_error(g, expected) if isinstance(g, torch.Tensor) else math.inf for g in per_rank]
+            report.add(not detail, detail, split=split, world=len(split), max_abs_err=max(errors))
+
+
+def _hang_of(fn: Callable, split: tuple):
+    """Run `fn` until it hangs; return the waiting rank's RankState and {rank: state} of the finished ones."""
+    for timeout in HANG_TIMEOUTS:
+        try:
+            run(fn, len(split), args=(split,), timeout=timeout, backend="gloo")
+        except TimeoutError as error:
+            waiting = [s for s in error.rank_states if s.phase == "in a collective" and s.collective]
+            finished = {s.rank: s for s in error.rank_states if s.phase == "finished"}
+            if len(waiting) == 1 and len(finished) == len(split) - 1:
+                return waiting[0], finished
+        else:
+            raise RuntimeError(f"{fn.__name__}{split} returned: the check expected it to hang")
+    raise RuntimeError(f"{fn.__name__}{split} did not reach its hang in {HANG_TIMEOUTS[-1]:g} s: run the check again")
+
+
+def _diagnosis_hints(hang: dict, waiting, finished: dict) -> list[tuple[str, str]]:
+    """(key, "" or the hint for a wrong answer) for "rank", "op" and "call"; no hint gives the answer away."""
+    rank, op, call, truth = hang.get("rank"), hang.get("op"), hang.get("call"), waiting.collective
+    line = "the line of the rank that waits"
+    rank_hint, op_hint, call_hint = "", "", ""
+    if isinstance(rank, int) and rank in finished:
+        last = finished[rank].collective
+        rank_hint = (f"rank {rank} finished the function (after {last.op} #{last.number}): it waits for nothing. "
+                     "Name the rank whose line says 'waits in'")
+    elif rank != waiting.rank or not isinstance(rank, int):
+        rank_hint = "the rank is a number: the one whose line in the report says 'waits in'"
+    if _op_key(op) in {_op_key(c) for c in COLLECTIVES} - {_op_key(truth.op)}:
+        op_hint = (f"{op} is not the call the waiting rank is stuck in (the ranks got past their other calls): "
+                   f"name the operation after 'waits in' on {line}")
+    elif _op_key(op) != _op_key(truth.op):
+        op_hint = f"write the operation as the report does, e.g. 'all_gather', from {line}"
+    if call == truth.number - 1:
+        call_hint = "the report counts calls from 1 (#1 is the first): write the number after '#' as it is"
+    elif call == truth.number + 1:
+        call_hint = ("the report counts each operation on its own: all_reduce #N is the N-th all_reduce, "
+                     "whatever other collectives (a broadcast) came before")
+    elif call != truth.number or not isinstance(call, int):
+        call_hint = f"the call is the number after '#' in {line}"
+    return [("rank", rank_hint), ("op", op_hint), ("call", call_hint)]
+
+
+def _op_key(op) -> str:
+    """'dist.all_reduce', 'all-reduce', 'allreduce' -> 'allreduce'."""
+    return str(op).split(".")[-1].lower().replace("_", "").replace("-", "").replace(" ", "")
+
+
+def _fixed_on_rank(fixed_fn: Callable, split: tuple):
+    """The learner's fix on this rank, which must not call the check's reference (each rank has a shard only)."""
+    with refusing("your fix", {mean_gradient.__code__: "mean_gradient (the check's own reference)"}):
+        return fixed_fn(split)

@@ -1,13 +1,15 @@
 """The checks of assignment 00 pass correct answers and fail planted wrong ones.
 
-The stretch check (recursive doubling) is tested here in full; the four checks of the guided part
-are tested in tests/test_course.py, and here only for what the task text asks of them beyond the
-numbers: a phase returns nothing, ring_all_reduce returns its tensor.
+The stretch check (recursive doubling) and part 8's hang diagnosis are tested here in full; the four
+checks of the guided part are tested in tests/test_course.py, and here only for what the task text asks
+of them beyond the numbers: a phase returns nothing, ring_all_reduce returns its tensor.
 
 The correct answers are written here, not taken from the solution notebook (which runs under nbval
 on its own), and picotron has no recursive doubling: the check's only reference is the sum one
 process computes.
 """
+
+import re
 
 import pytest
 import torch
@@ -246,3 +248,158 @@ def test_guided_checks_hold_to_their_text(check, answer, says, capsys):
     with pytest.raises(AssertionError, match=says):
         check(answer)
     assert "FAIL" in capsys.readouterr().out
+
+
+# ---- part 8: diagnose a hang ------------------------------------------------------------------------
+# gradient_per_micro_batch on HANG_SPLIT = (8, 8, 9, 8): rank 2 has 3 micro-batches, the others 2, so rank 2
+# waits in all_reduce #3 and the others finish after all_reduce #2. The check finds that by running it.
+RIGHT_HANG = {"rank": 2, "op": "all_reduce", "call": 3}
+
+
+def _start(split):
+    """Rank 0's weights on every rank, and this rank's examples cut into micro-batches."""
+    rank = dist.get_rank()
+    w = checks.first_weights() if rank == 0 else torch.empty(checks.FEATURES, dtype=torch.float64)
+    dist.broadcast(w, src=0)
+    x, y = checks.shard(rank, split)
+    return w, list(zip(x.split(checks.MICRO_BATCH), y.split(checks.MICRO_BATCH)))
+
+
+def fixed_agree_on_steps(split):
+    """The ranks agree on the most micro-batches (all_reduce MAX); a rank out of data all-reduces zeros."""
+    w, batches = _start(split)
+    steps = torch.tensor(len(batches))
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    grad = torch.zeros_like(w)
+    for step in range(int(steps)):
+        g = checks.batch_gradient(w, *batches[step]) if step < len(batches) else torch.zeros_like(w)
+        dist.all_reduce(g)
+        grad += g
+    return grad / sum(split)
+
+
+def fixed_one_all_reduce(split):
+    """Another fix: accumulate locally, then one all_reduce that every rank makes."""
+    w, batches = _start(split)
+    grad = sum((checks.batch_gradient(w, x, y) for x, y in batches), torch.zeros_like(w))
+    dist.all_reduce(grad)
+    return grad / sum(split)
+
+
+@pytest.mark.parametrize("fixed", [fixed_agree_on_steps, fixed_one_all_reduce], ids=lambda f: f.__name__)
+def test_correct_diagnosis_and_fix_pass(fixed, capsys):
+    checks.check_hang_diagnosis(RIGHT_HANG, fixed)
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "hang_diagnosis: 3/3" in out and f"{len(checks.FIX_SPLITS)}/" in out
+
+
+def test_the_check_finds_the_hang_by_running_the_function():
+    """No answer is written in the check: on another split another rank waits, in another call."""
+    waiting, finished = checks._hang_of(checks.gradient_per_micro_batch, (4, 9, 4))   # 1, 3 and 1 micro-batches
+    assert (waiting.rank, waiting.collective.op, waiting.collective.number) == (1, "all_reduce", 2)
+    assert sorted(finished) == [0, 2] and all(s.collective.number == 1 for s in finished.values())
+
+
+def test_fix_splits_cover_what_the_task_says():
+    """An empty shard, 2, 3 and 4 ranks, and the split that hangs."""
+    assert checks.HANG_SPLIT in checks.FIX_SPLITS and any(0 in split for split in checks.FIX_SPLITS)
+    assert {len(split) for split in checks.FIX_SPLITS} == {2, 3, 4}
+
+
+@pytest.fixture(scope="module")
+def hang_truth():
+    """The hang of HANG_SPLIT, found once for the tests below (each would otherwise wait for it again)."""
+    return checks._hang_of(checks.gradient_per_micro_batch, checks.HANG_SPLIT)
+
+
+@pytest.fixture
+def known_hang(hang_truth, monkeypatch):
+    monkeypatch.setattr(checks, "_hang_of", lambda fn, split: hang_truth)
+    monkeypatch.setattr(checks, "FIX_TIMEOUT", 3.0)   # a fix that hangs fails in 3 s here
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "dist.all_reduce", "all-reduce", "AllReduce"])
+def test_the_operation_may_be_written_several_ways(op, hang_truth):
+    assert all(hint == "" for _, hint in checks._diagnosis_hints({**RIGHT_HANG, "op": op}, *hang_truth))
+
+
+WRONG_DIAGNOSES = [
+    ({**RIGHT_HANG, "rank": 0}, "rank 0 finished the function (after all_reduce #2): it waits for nothing"),
+    ({**RIGHT_HANG, "rank": 3}, "rank 3 finished the function"),
+    ({**RIGHT_HANG, "rank": "rank 2"}, "the rank is a number"),
+    ({**RIGHT_HANG, "call": 2}, "the report counts calls from 1"),
+    ({**RIGHT_HANG, "call": 4}, "the report counts each operation on its own"),
+    ({**RIGHT_HANG, "call": 7}, "the call is the number after '#'"),
+    ({**RIGHT_HANG, "op": "broadcast"}, "broadcast is not the call the waiting rank is stuck in"),
+    ({**RIGHT_HANG, "op": "sum"}, "write the operation as the report does"),
+    ({"rank": 2, "op": "all_reduce"}, "the call is the number after '#'"),
+]
+
+
+@pytest.mark.parametrize("hang, says", WRONG_DIAGNOSES, ids=[str(h) for h, _ in WRONG_DIAGNOSES])
+def test_wrong_diagnosis_fails_with_its_hint(hang, says, known_hang, capsys):
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        checks.check_hang_diagnosis(hang, fixed_agree_on_steps)
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "fixed gradient" not in out   # the fix is not run before the diagnosis is right
+
+
+def test_a_diagnosis_that_is_not_a_dict_is_refused(known_hang):
+    with pytest.raises(AssertionError, match="write a dict"):
+        checks.check_hang_diagnosis([2, "all_reduce", 3], fixed_agree_on_steps)
+
+
+def fixed_skips_the_call(split):
+    """Agrees on the steps, but a rank out of data skips the all_reduce: it still hangs."""
+    w, batches = _start(split)
+    steps = torch.tensor(len(batches))
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    grad = torch.zeros_like(w)
+    for step in range(min(int(steps), len(batches))):
+        g = checks.batch_gradient(w, *batches[step])
+        dist.all_reduce(g)
+        grad += g
+    return grad / sum(split)
+
+
+def fixed_agrees_on_the_fewest(split):
+    """all_reduce MIN: no hang, but rank 2's last micro-batch is dropped."""
+    w, batches = _start(split)
+    steps = torch.tensor(len(batches))
+    dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+    grad = torch.zeros_like(w)
+    for step in range(int(steps)):
+        g = checks.batch_gradient(w, *batches[step])
+        dist.all_reduce(g)
+        grad += g
+    return grad / sum(split)
+
+
+def fixed_divides_by_33(split):
+    """Right on HANG_SPLIT (33 examples) only: the mean's denominator is written in."""
+    return fixed_one_all_reduce(split) * sum(split) / 33
+
+
+def fixed_asks_the_reference(split):
+    return checks.mean_gradient(split)
+
+
+def fixed_returns_a_list(split):
+    return fixed_one_all_reduce(split).tolist()
+
+
+WRONG_FIXES = [
+    (fixed_skips_the_call, "split (8, 8, 9, 8): the ranks hung. Where each rank was"),
+    (fixed_agrees_on_the_fewest, "split (8, 8, 9, 8), rank 0: worst at element"),
+    (fixed_divides_by_33, "split (0, 7, 2, 5), rank 0: worst at element"),
+    (fixed_asks_the_reference, "called mean_gradient"),
+    (fixed_returns_a_list, "returned a list, not a tensor"),
+]
+
+
+@pytest.mark.parametrize("fixed, says", WRONG_FIXES, ids=[f.__name__ for f, _ in WRONG_FIXES])
+def test_wrong_fix_fails(fixed, says, known_hang, capsys):
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        checks.check_hang_diagnosis(RIGHT_HANG, fixed)
+    if fixed is not fixed_asks_the_reference:   # raised on a rank: no table
+        assert "FAIL" in capsys.readouterr().out

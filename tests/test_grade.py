@@ -265,7 +265,8 @@ def test_fingerprints_of_the_course_checks_are_the_same_in_another_process():
 
 # ---- a real exercise, through the command line ---------------------------------------------------
 def test_grade_a_real_exercise(tmp_path):
-    """00_collectives with chunk_to_send and all_gather_phase solved (2 of 5: the stretch is not done either) and the last check rebound."""
+    """00_collectives with chunk_to_send and all_gather_phase solved (2 of 6: the stretch and the hang are not done
+    either) and the last check rebound."""
     solution = nbformat.read(ROOT / "solutions" / "00_collectives.ipynb", as_version=4)
     learner = nbformat.read(ROOT / "exercises" / "00_collectives.ipynb", as_version=4)
     for i, cell in enumerate(solution.cells):
@@ -284,7 +285,7 @@ def test_grade_a_real_exercise(tmp_path):
     assert "not done (NotImplementedError)" in rows["check_reduce_scatter_phase"]
     assert "rebound" in rows["check_ring_all_reduce"]
     assert "not done (NotImplementedError)" in rows["check_recursive_doubling_all_reduce"]
-    assert out.strip().endswith("score: 2/5") and "Traceback" not in out
+    assert out.strip().endswith("score: 2/6") and "Traceback" not in out
     assert nbformat.read(path, as_version=4).cells[4].outputs == []  # the learner's file is untouched
 
 
