@@ -335,7 +335,7 @@ class Ranks:
             if not r.gone:
                 selector.register(r.out_fd, selectors.EVENT_READ, (r, "out"))
                 selector.register(r.result_fd, selectors.EVENT_READ, (r, "result"))
-        hang_since, last_states = None, None
+        hang_since, last_states, next_look = None, None, start + 0.5
         try:
             while any(t not in answers for t in targets):
                 now = time.monotonic()
@@ -364,7 +364,8 @@ class Ranks:
                 for r in self.ranks:
                     while r.answers and r.rank in targets and r.rank not in answers:
                         answers[r.rank] = r.answers.pop(0)
-                if watch and time.monotonic() - start > 0.5:
+                if watch and time.monotonic() >= next_look:  # twice a second, however much the ranks print
+                    next_look = time.monotonic() + 0.5
                     states = self._states()
                     stuck = _hang(states, [t for t in targets if t not in answers])
                     if stuck and states == last_states:
@@ -743,7 +744,8 @@ def _status_table(rows: list[dict]) -> str:
     for row in rows:
         memory = f"{row['rss'] / 2**20:.0f} MiB resident" if "rss" in row else "-"
         if "gpu_allocated" in row:
-            memory += f", {row['gpu_allocated'] / 2**20:.0f} MiB on the GPU ({row['gpu_reserved'] / 2**20:.0f} reserved)"
+            memory += (f", {row['gpu_allocated'] / 2**20:.0f} MiB on the GPU "
+                       f"({row['gpu_reserved'] / 2**20:.0f} reserved)")
         lines.append(f"{row['rank']:<5} {row['pid']:<8} {'yes' if row['alive'] else 'no':<6} "
                      f"{row.get('device', '-'):<8} {memory}")
     return "\n".join(lines)

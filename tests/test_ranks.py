@@ -121,8 +121,8 @@ def test_a_collective_on_one_rank_is_reported_and_the_stuck_rank_restarted(kerne
     assert status == "error" and time.monotonic() - started < 20
     assert "The cell cannot finish: rank 1 waits in a collective that will never complete." in text
     assert "rank 0 finished the cell after all_reduce #1 of group [0, 1] (4 KiB)" in text
-    assert re.search(rf"rank 1 waits in all_reduce #2 of group \[0, 1\] \(4 KiB\) for [\d.]+ s, at Cell In\[{kernel.number}\], "
-                     r"line 5: `dist.all_reduce\(t\)`", text), text
+    assert re.search(r"rank 1 waits in all_reduce #2 of group \[0, 1\] \(4 KiB\) for [\d.]+ s, "
+                     rf"at Cell In\[{kernel.number}\], line 5: `dist.all_reduce\(t\)`", text), text
     assert "restarted rank 1: its variables are gone" in text and "rank 0 kept its variables" in text
     text, status = kernel.cell("%%ranks\nmine")
     assert status == "error" and columns(text) == {0: "100"} and "rank 1 raised NameError" in text
@@ -133,8 +133,9 @@ def test_a_mismatched_pair_is_reported_on_both_ranks(kernel):
     text, status = kernel.cell("%%ranks\nt = torch.ones(4)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n"
                                "    dist.broadcast(t, src=1)\n")
     assert status == "error"
-    assert f"rank 0 waits in all_reduce #1 of group [0, 1] (16 B)" in text and f"Cell In[{kernel.number}], line 4" in text
-    assert f"rank 1 waits in broadcast #1 from 1 of group [0, 1] (16 B)" in text and f"Cell In[{kernel.number}], line 6" in text
+    cell = f"Cell In[{kernel.number}]"
+    assert "rank 0 waits in all_reduce #1 of group [0, 1] (16 B)" in text and f"{cell}, line 4" in text
+    assert "rank 1 waits in broadcast #1 from 1 of group [0, 1] (16 B)" in text and f"{cell}, line 6" in text
     assert "restarted ranks 0 and 1" in text
     assert columns(kernel.ok("%%ranks\nrank")) == {0: "0", 1: "1"}
 
