@@ -18,6 +18,7 @@ from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
+from picotron.lockstep import Recorder
 from picotron.memory_tracking import saved_tensors
 from picotron.costs import activation_bytes_per_layer
 from picotron.mesh import Mesh
@@ -64,9 +65,9 @@ def max_error(ours: dict, reference: dict, n: int | None = None) -> tuple[float,
 
 
 # ---- 20 AdamW steps: tp ranks vs one process -----------------------------------------------------------
-def train(tied: bool, sequence_parallel: bool | None = None, reference: dict | None = None) -> dict:
-    """One process (sequence_parallel=None) or this rank of a TP model; the TP run compares its gathered
-    gradients with the one-process run's at every step, here in the rank."""
+def train(tied: bool, sequence_parallel: bool | None = None, reference=None):
+    """One process (sequence_parallel=None): its Trace. Or this rank of a TP model, compared with the one-process
+    `reference` at every step (picotron.lockstep), and its replicated weights (the RMSNorm weights)."""
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(CONFIG, tie_word_embeddings=tied))
     mesh = None
@@ -75,33 +76,25 @@ def train(tied: bool, sequence_parallel: bool | None = None, reference: dict | N
         apply_tensor_parallel(model, mesh, sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     loader = DataLoader(dataset(), BATCH)
-    out = {"loss": [], "grads": [], "grad_error": [], "grads_close": []}
+    record = Recorder(reference)
     for step in range(STEPS):
         batch = loader.get_batch(step)
         logits = model(batch.input_ids)
         if mesh is None:
             loss = loss_fn(logits, batch.targets)
+            loss.backward()
+            record.step(loss, {n: p.grad for n, p in model.named_parameters()})
         else:
             assert logits.shape == (BATCH, SEQ, CONFIG.vocab_size // mesh.tp_size)   # never the whole vocabulary
             loss = vocab_parallel_cross_entropy(logits, batch.targets, mesh.tp_group)
-        loss.backward()
-        out["loss"].append(loss.item())
-        if mesh is None:
-            out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        else:
-            error, close = max_error(gather_gradients(model, mesh.tp_group), reference["grads"][step])
-            out["grad_error"].append(error)
-            out["grads_close"].append(close)
+            loss.backward()
+            record.step(loss, gather_gradients(model, mesh.tp_group))
         optimizer.step()
         optimizer.zero_grad()
     if mesh is None:
-        out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    else:
-        out["weight_error"] = max_error(gather_parameters(model, mesh.tp_group), reference["weights"])[0]
-        out["replicated"] = {n: p.detach().clone() for n, p in model.named_parameters()
-                             if not hasattr(p, "tp_shard_dim")}   # the RMSNorm weights
-        out.pop("grads")
-    return out
+        return record.finish(dict(model.named_parameters()))
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "tp_shard_dim")}
+    return record.finish(gather_parameters(model, mesh.tp_group)), replicated
 
 
 # ---- one decoder layer: against DTensor, counted bytes, saved activations ------------------------------
@@ -303,16 +296,13 @@ CASE_IDS = [(tp, name) for tp in CASES for name in CASES[tp]]
 @pytest.mark.parametrize("tp, name", CASE_IDS, ids=[f"tp{tp}-{name}" for tp, name in CASE_IDS])
 def test_training_equals_one_process(tp, name, launches, one_process):
     reference = one_process[CASES[tp][name][1]]
-    ranks = [rank["train"][name] for rank in launches[tp]]
-    for step in range(STEPS):
-        for rank in ranks:   # every rank holds the same loss
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
-            assert rank["grads_close"][step], f"step {step}: gradients differ by up to {rank['grad_error'][step]:.2e}"
-    for rank in ranks:   # Adam amplifies summation-order differences: 1e-4 after 20 steps
-        assert rank["weight_error"] < 1e-4
-        for n, weight in rank["replicated"].items():   # replicated weights stay identical on every rank
-            torch.testing.assert_close(weight, ranks[0]["replicated"][n], rtol=0, atol=0)
-    assert reference["loss"][-1] < reference["loss"][0] - 0.5   # and it learned something
+    results, replicated = zip(*[rank["train"][name] for rank in launches[tp]])
+    for rank, result in enumerate(results):   # every rank: losses, gathered gradients and weights, every step
+        result.assert_equal(f"rank {rank} of tp={tp}, {name}")
+    for weights in replicated:   # replicated weights stay identical on every rank
+        for n, weight in weights.items():
+            torch.testing.assert_close(weight, replicated[0][n], rtol=0, atol=0)
+    assert reference.loss[-1] < reference.loss[0] - 0.5   # and it learned something
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -1,0 +1,163 @@
+"""One proof for every technique: a parallel run trains like one process, step by step.
+
+A parallel technique is done when its training run equals one process's: the same seed, the same global
+batch, every step (docs/design.md, "Equivalence and tolerances"). The tests, the chapters and the checks
+all prove it this way: both runs record the same things at the same points, and `Recorder` compares them.
+
+A run records, after each step's backward, the step's loss over the global batch and the model's full
+gradients by parameter name (a sharded run gathers them first), and after the last step the full weights:
+
+    record = Recorder(reference)        # reference: the one-process run's Trace (None while making it)
+    for step in range(steps):
+        ...
+        loss.backward()
+        record.step(loss, gradients)    # gradients: {name: full tensor}, or None on a rank without them
+        optimizer.step()
+        optimizer.zero_grad()
+    return record.finish(weights)       # the reference run: a Trace; a parallel run: a Lockstep
+
+A parallel run compares inside the rank as it goes and keeps only the differences, so no rank sends a
+copy of the model back each step. What is equal enough comes from picotron/tolerance.py: each step's loss
+within LOSS_ATOL, each step's gradients within TRAINING_GRAD_TOL (rtol = atol), the weights after the
+AdamW steps within ADAM_WEIGHTS_ATOL; and, given `first_step_n`, the first step's gradients (both runs
+from equal weights, so rounding alone separates them) within the rounding bound for that many roundings.
+`figure` draws any number of Locksteps against their reference: the losses, and the gradient differences
+beside their tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from picotron import tolerance
+
+__all__ = ["Trace", "Lockstep", "Recorder", "compare", "figure"]
+
+
+@dataclass
+class Trace:
+    """What the reference run recorded: the loss and the full gradients of every step, the final weights."""
+    loss: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    weights: dict | None = None
+
+
+@dataclass
+class Lockstep:
+    """A parallel run against its reference, step by step: its losses, how far its losses and gradients
+    were from the reference's at each step (NaN at a step it recorded no gradients), and its weights'."""
+    loss: list = field(default_factory=list)
+    loss_diff: list = field(default_factory=list)
+    grad_diff: list = field(default_factory=list)
+    grads_close: list = field(default_factory=list)    # None at a step without gradients
+    weight_diff: float | None = None
+    weights_close: bool | None = None
+    first_step: tolerance.Comparison | None = None     # step 0 against the rounding bound (first_step_n)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures()
+
+    def failures(self) -> list[str]:
+        """What is not equal enough, one line each (empty when the run equals its reference)."""
+        out = [f"step {i}: loss differs by {d:.3g} (tolerance {tolerance.LOSS_ATOL:g})"
+               for i, d in enumerate(self.loss_diff) if not d <= tolerance.LOSS_ATOL]
+        out += [f"step {i}: gradients differ by up to {self.grad_diff[i]:.3g} (tolerance rtol = atol = "
+                f"{tolerance.TRAINING_GRAD_TOL:g})" for i, close in enumerate(self.grads_close) if close is False]
+        if self.weights_close is False:
+            out.append(f"final weights differ by up to {self.weight_diff:.3g} "
+                       f"(tolerance {tolerance.ADAM_WEIGHTS_ATOL:g})")
+        if self.first_step is not None and not self.first_step.ok:
+            out.append(f"step 0 (equal weights, rounding alone): {self.first_step}")
+        return out
+
+    def assert_equal(self, what: str = "the parallel run") -> None:
+        """Raise AssertionError, naming every step and quantity that is not equal enough."""
+        problems = self.failures()
+        if problems:
+            raise AssertionError(f"{what} does not train like one process:\n  " + "\n  ".join(problems))
+
+
+class Recorder:
+    """Records a run step by step: the reference run keeps everything (`finish` returns a Trace); a
+    parallel run given the reference compares each step as it is recorded (`finish` returns a Lockstep)."""
+
+    def __init__(self, reference: Trace | None = None, *, first_step_n: int | None = None):
+        self.reference, self.first_step_n = reference, first_step_n
+        self.trace, self.result = Trace(), Lockstep()
+
+    def step(self, loss, grads: dict | None = None) -> None:
+        loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        step = len(self.trace.loss)
+        self.trace.loss.append(loss)
+        if self.reference is None:
+            self.trace.grads.append(None if grads is None else {n: g.detach().clone() for n, g in grads.items()})
+            return
+        self.result.loss.append(loss)
+        self.result.loss_diff.append(abs(loss - self.reference.loss[step]))
+        expected = self.reference.grads[step] if step < len(self.reference.grads) else None
+        if grads is None or expected is None:
+            self.result.grad_diff.append(math.nan)
+            self.result.grads_close.append(None)
+            return
+        diff, close = _difference(grads, expected, tolerance.TRAINING_GRAD_TOL, relative=True)
+        self.result.grad_diff.append(diff)
+        self.result.grads_close.append(close)
+        if step == 0 and self.first_step_n is not None:
+            self.result.first_step = tolerance.compare_all(grads, expected, n=self.first_step_n)
+
+    def finish(self, weights: dict | None = None) -> Trace | Lockstep:
+        if self.reference is None:
+            self.trace.weights = None if weights is None else {n: w.detach().clone() for n, w in weights.items()}
+            return self.trace
+        if weights is not None and self.reference.weights is not None:
+            self.result.weight_diff, self.result.weights_close = _difference(
+                weights, self.reference.weights, tolerance.ADAM_WEIGHTS_ATOL, relative=False)
+        return self.result
+
+
+def compare(run: Trace, reference: Trace, *, first_step_n: int | None = None) -> Lockstep:
+    """Two recorded Traces (both brought back to one process), compared as a Recorder compares as it goes."""
+    recorder = Recorder(reference, first_step_n=first_step_n)
+    for loss, grads in zip(run.loss, run.grads + [None] * (len(run.loss) - len(run.grads))):
+        recorder.step(loss, grads)
+    return recorder.finish(run.weights)
+
+
+def _difference(actual: dict, expected: dict, tol: float, *, relative: bool) -> tuple[float, bool]:
+    """The largest absolute difference over every tensor of `expected` (by name), and whether every element
+    is within `tol` (absolute, plus `tol` relative with `relative`). A missing name is infinitely far."""
+    if set(actual) != set(expected):
+        return math.inf, False
+    worst, close = 0.0, True
+    for name, e in expected.items():
+        a = actual[name].detach().to(e.device, e.dtype)
+        if a.shape != e.shape:
+            return math.inf, False
+        worst = max(worst, (a - e).abs().max().item() if e.numel() else 0.0)
+        close = close and torch.allclose(a, e, rtol=tol if relative else 0.0, atol=tol)
+    return worst, close
+
+
+def figure(runs: dict, reference: Trace, *, title: str = ""):
+    """Left: every run's loss on the reference's curve; right: each run's largest gradient difference per
+    step (log scale), beside the tolerance. `runs` maps a label to a Lockstep. Returns the figure (a
+    chapter adds its caption, picotron_course.notebook.caption)."""
+    import matplotlib.pyplot as plt
+    fig, (ax_loss, ax_grad) = plt.subplots(1, 2, figsize=(11, 3.8))
+    ax_loss.plot(reference.loss, "k-", lw=4, alpha=0.25, label="one process")
+    for i, (label, run) in enumerate(runs.items()):
+        ax_loss.plot(run.loss, "o", ms=3, color=f"C{i}", label=label)
+        shown = [max(d, 1e-10) if not math.isnan(d) else math.nan for d in run.grad_diff]
+        ax_grad.semilogy(shown, "o-", ms=3, color=f"C{i}", label=label)
+    ax_grad.axhline(tolerance.TRAINING_GRAD_TOL, color="C3", ls=":", lw=1.5,
+                    label=f"tolerance {tolerance.TRAINING_GRAD_TOL:g}")
+    ax_loss.set(xlabel="step", ylabel="loss (nats per token)", title=f"Loss{': ' + title if title else ''}")
+    ax_grad.set(xlabel="step", ylabel="max |gradient difference|", title="Full gradients vs one process, every step")
+    ax_loss.legend(fontsize=7)
+    ax_grad.legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
+    return fig
