@@ -50,7 +50,6 @@ all-gathers the results, so the same notebook code works on a real cluster.
 from __future__ import annotations
 
 import atexit
-import linecache
 import math
 import numbers
 import os
@@ -71,7 +70,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from picotron import collective_trace
+from picotron import collective_trace, pickling
 from picotron.rank_server import RankError, receive, seed_everything, send
 
 __all__ = ["run", "device", "backend_for"]
@@ -250,7 +249,7 @@ class _Launch:
                        "store": os.path.join(store_dir, "store"), "trace": store_dir,
                        "seed": self.seed, "timeout": self.timeout, "task": self.task,
                        "cwd": os.getcwd(), "sys_path": list(sys.path), "env": dict(os.environ),
-                       "sources": _cell_sources()}
+                       "sources": pickling.cell_sources()}
             pids = self.server.launch(request, child_fds)
             for fd in child_fds:
                 os.close(fd)
@@ -423,45 +422,12 @@ class _NotConnected(Exception):
 
 def _pickle_task(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     try:
-        return _dumps_keeping_file_names((fn, args, kwargs))
+        return pickling.dumps((fn, args, kwargs))
     except Exception as e:  # noqa: BLE001 - say what could not travel and what to do instead
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(f"run() cannot send {name} and its arguments to the ranks: {type(e).__name__}: {e}. "
                         "Each rank gets a copy of the function, its arguments and the notebook values it uses; "
                         "create such an object inside the function instead (or pass what it is built from)") from e
-
-
-def _dumps_keeping_file_names(obj) -> bytes:
-    """cloudpickle.dumps, except that code copied by value keeps its file name.
-
-    cloudpickle 3.1 renames the file of every code object it copies to "<dynamic-code>" (2.x kept
-    it), and a rank's traceback finds a notebook cell's lines (sent with `_cell_sources`) by that
-    name. So each code object is rebuilt however the installed cloudpickle rebuilds it, then given
-    its own file name back (`rank_server.code_with_file_name`).
-    """
-    import io
-    import types
-    from collections import ChainMap
-
-    import cloudpickle
-
-    from picotron.rank_server import code_with_file_name
-    reduce_code = cloudpickle.Pickler.dispatch_table[types.CodeType]
-
-    class Pickler(cloudpickle.Pickler):
-        dispatch_table = ChainMap(
-            {types.CodeType: lambda code: (code_with_file_name, (*reduce_code(code)[:2], code.co_filename))},
-            cloudpickle.Pickler.dispatch_table)
-
-    buffer = io.BytesIO()
-    Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buffer.getvalue()
-
-
-def _cell_sources() -> dict:
-    """Source lines of code that has no file (notebook cells): a rank's traceback shows them."""
-    return {name: entry for name, entry in list(linecache.cache.items())
-            if len(entry) == 4 and entry[3] and not os.path.exists(name)}
 
 
 def _rebuild(info: dict) -> BaseException:

@@ -448,11 +448,6 @@ def _dumps(payload: tuple, rank: int) -> bytes:
         return cloudpickle.dumps(("error", {"type": RankError, "rank": rank, "message": message, "traceback": ""}))
 
 
-def code_with_file_name(make, args: tuple, file_name: str):
-    """A code object copied by value (picotron.launch), with its own file name back."""
-    return make(*args).replace(co_filename=file_name)
-
-
 def _die_with_parent() -> None:
     """On Linux, ask the kernel to kill this process if its parent dies (even by SIGKILL)."""
     if sys.platform.startswith("linux"):

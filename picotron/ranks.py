@@ -64,7 +64,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 
-from picotron import collective_trace, launch
+from picotron import collective_trace, launch, pickling
 from picotron.rank_server import _FRAME, RankError, _Missing
 
 __all__ = ["Ranks", "CellResult", "RanksError", "current", "last_cell", "side_by_side", "load_ipython_extension"]
@@ -202,7 +202,7 @@ class Ranks:
         """Bind each name of `values` to its value on every rank of `targets` (a copy each)."""
         targets = self._targets(targets)
         try:
-            data = launch._dumps_keeping_file_names(dict(values))
+            data = pickling.dumps(dict(values))
         except Exception as e:  # noqa: BLE001 - say what could not travel
             raise TypeError(f"cannot send {', '.join(values)} to the ranks: {type(e).__name__}: {e}. Send the "
                             "values it is built from, and build it in a %%ranks cell") from e
@@ -257,7 +257,7 @@ class Ranks:
             request = {"live": True, "ranks": which, "world_size": self.world_size, "backend": self.backend,
                        "store": self._store(), "trace": self.directory, "seed": self.seed,
                        "timeout": GROUP_TIMEOUT, "task": None, "cwd": os.getcwd(), "sys_path": list(sys.path),
-                       "env": dict(os.environ), "sources": launch._cell_sources()}
+                       "env": dict(os.environ), "sources": pickling.cell_sources()}
             pids = self.server.launch(request, child_fds)
         except BaseException:
             for fd in child_fds + [fd for trio in ours for fd in trio]:

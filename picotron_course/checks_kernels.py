@@ -463,11 +463,8 @@ def _attention_data(heads: int, seq: int, head_dim: int, make: str, seed: int):
 
 
 def _kernel_ir(kernel, named: dict, constexprs: dict) -> "KernelIR":
-    """KernelIR of the kernel for these argument types and constexprs, compiled once while a check runs.
-
-    The cache is an attribute of this function, not a module global: the grader fingerprints this
-    module's globals around every check cell, and a global that a check fills would read as a check
-    rebound by the learner (score 0)."""
+    """KernelIR of the kernel for these argument types and constexprs, compiled once while a check runs
+    (the cache is an attribute of this function)."""
     fn = _python_function(kernel)
     kinds = tuple((name, str(v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__)
                   for name, v in named.items() if name not in constexprs)
@@ -898,7 +895,5 @@ def _jit_copy(fn, made: dict, interpreted):
     return made[id(fn)]
 
 
-# triton.language before any kernel ran here (see _compilable). An attribute of the function, not a module global:
-# its value depends on what was imported first, and the grader fingerprints this module's globals against a fresh
-# process's (a global that differs reads as a check rebound by the learner: score 0).
+# triton.language before any kernel ran here (see _compilable), kept as an attribute of the function.
 _undo_interpreter_patches.pristine = _language_state()

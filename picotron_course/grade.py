@@ -18,36 +18,22 @@ and its remaining checks are "timeout". A folder of submissions also gives answe
 each learner wrote where the exercise says "*Write your answer here.*", found by the question
 before it, so cells a learner added or moved do not shift it.
 
-Tamper detection. Around each check cell the grader runs two cells of its own, which are not in
-the learner's file. The one before takes the check's module from sys.modules and fingerprints
-every function, class and constant in it (and in the modules of its package that those come
-from); it compares them with the fingerprints the grader took in its own process, from the files
-on disk, before any learner code ran, and then binds `check_*` in the notebook to the module's
-function. The one after verifies the name and the module again. A fingerprint hashes code and
-values (bytecode, constants, names, defaults, wrapped functions), not object identity, so
-re-importing a check is fine, while each of these makes the check "rebound" (score 0):
+Checks run outside the learner's process. The grader runs the notebook in a fresh kernel with
+each check cell replaced by one of its own that evaluates the call's arguments there (the learner's
+functions and classes, e.g. `ring_all_reduce` in `check_ring_all_reduce(ring_all_reduce)`) and sends
+them out with cloudpickle, by value, as `picotron.launch.run` sends a function to its ranks. After
+the notebook, each check runs in a fresh Python of its own that imports the check from the course's
+files and calls it on what was sent, under --cell-timeout (its process group killed past it). So
+nothing the notebook does to its own process reaches a check: rebinding `check_x`, patching the
+check's module, or patching what checks use (`torch.allclose = lambda *a, **k: True`) changes
+only the kernel. A notebook that writes to the course's files is caught after it ran (grading
+stops, naming the notebook), before it can change the next learner's grade.
 
-    check_ring_all_reduce = lambda *args, **kwargs: None            # the name, in any cell
-    picotron_course.checks.check_ring_all_reduce = ...               # the module attribute
-    check_ring_all_reduce.__code__ = (lambda f: None).__code__       # the function in place
-    picotron_course.checks.Report.finish = lambda self: None         # a helper the check uses
-    picotron_course.checks.RING_WORLDS = (4,)                        # a constant it loops over
-
-Each guard cell reports through a display message carrying a random token of this run; a check
-counts only when both of its guards reported and found nothing, so a notebook that stops them
-(or the kernel) scores 0 too. A notebook that writes to the course's files is caught after it
-ran (grading stops, naming the notebook), before it can change the next learner's grade.
-
-What this does not catch. The learner's code runs in the same process as the checks, and code
-that sets out to defeat an in-kernel grader can: patch what the checks use outside their own
-package (torch, picotron, the standard library: `torch.allclose = lambda *a, **k: True`); hook
-the kernel (an IPython input transformer that rewrites the grader's cells, or that reads the
-token from a guard's source and forges its report); reach into the check's frame from the
-learner's function while the check calls it; replace the .pyc caches the kernel imports from.
-None of these happens by accident, and each is code in the notebook for a teacher to see: read
-the code of a surprising pass, and grade a class in a throwaway copy of the course (a container),
-as a notebook can write anything the grader's user can. Going further takes running the checks
-in another process that receives only the learner's functions.
+What this does not catch: a learner's function is still the learner's code, and runs inside the
+check's process when the check calls it, so a function written to tamper with its caller can; a
+function copied from someone else passes as it would for them. Read the code of a surprising pass,
+and grade a class in a throwaway copy of the course (a container), as a notebook can write
+anything the grader's user can.
 """
 
 from __future__ import annotations
@@ -57,16 +43,16 @@ import copy
 import csv
 import importlib
 import importlib.util
-import inspect
 import math
 import os
 import re
-import secrets
+import shutil
+import signal
+import subprocess
 import sys
-import textwrap
+import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -79,10 +65,9 @@ __all__ = ["GradeError", "CourseChanged", "Check", "Question", "Assignment", "Ch
            "RESULTS", "course_root", "assignment_of", "load_assignment", "check_timeouts", "grade", "grade_notebook",
            "grade_folder", "find_submissions", "class_summary", "score_table"]
 
-RESULTS = ("passed", "wrong answer", "not done", "error", "missing", "edited", "rebound", "timeout")
+RESULTS = ("passed", "wrong answer", "not done", "error", "missing", "edited", "timeout")
 _SHOWN = {"missing": "missing (check cell deleted)", "edited": "edited (check cell changed)",
-          "not done": "not done (NotImplementedError)", "rebound": "rebound (not the course's check)"}
-_GUARD_MIME = "application/vnd.picotron.grader+json"
+          "not done": "not done (NotImplementedError)"}
 _QUESTION_LABEL = re.compile(r"\*\*(Q\d+[a-z]?)\.?\*\*")
 
 
@@ -117,10 +102,8 @@ class Assignment:
     name: str
     checks: list[Check]
     questions: list[Question]
-    fingerprints: dict[str, dict[str, dict[str, str]]]  # check module -> {module it reaches: {global: hash}}
-    files: dict[str, str]                               # module -> the file the grader loaded it from
-    wrong_answer: frozenset[str]                        # exception names that mean a wrong answer
-    import_dirs: list[str]                              # put first on the kernel's PYTHONPATH
+    files: list[str]        # the course's source files, which no notebook may change
+    import_dirs: list[str]  # put first on the kernel's and the checks' PYTHONPATH
 
 
 def course_root() -> Path:
@@ -154,7 +137,7 @@ def assignment_of(notebook: str | Path, root: str | Path, assignment: str | None
 
 
 def load_assignment(root: str | Path, name: str) -> Assignment:
-    """Read exercises/<name>.ipynb: its check cells, its questions, and the fingerprints of its checks."""
+    """Read exercises/<name>.ipynb: its check cells (each one call of a check) and its questions."""
     path = Path(root) / EXERCISES / f"{name}.ipynb"
     if not path.is_file():
         raise GradeError(f"no {path}; write it with `python -m picotron_course generate {name}` or pass --root")
@@ -167,18 +150,34 @@ def load_assignment(root: str | Path, name: str) -> Assignment:
             if check not in imported:
                 raise GradeError(f"{path}, cell {i + 1} calls {check} but no cell has `from MODULE import {check}`; "
                                  "add that import so the grader knows which check is the course's")
+            if _call_of(cell.source, check) is None:
+                raise GradeError(f"{path}, cell {i + 1}: a check cell is one call, `{check}(...)`, and nothing else "
+                                 "(the grader sends the call's arguments to the check's own process)")
             checks.append(Check(i + 1, check, cell.source, imported[check]))
-    fingerprints, files, dirs = {}, {}, []
+    files, dirs = set(), []
     for module_name in sorted({check.module for check in checks}):
-        _missing_requirements(name, _import_course_module(module_name, Path(root), path))
-        fingerprints[module_name] = _fingerprints(module_name)
-        for reached in fingerprints[module_name]:
-            files[reached] = os.path.realpath(sys.modules[reached].__file__)
+        module = _import_course_module(module_name, Path(root), path)
+        _missing_requirements(name, module)
         top = sys.modules[module_name.split(".")[0]]
         folder = Path(top.__file__).resolve().parent
+        packages = [folder] if hasattr(top, "__path__") else []
+        if module_name.split(".")[0] != "picotron" and "picotron" in sys.modules:
+            packages.append(Path(sys.modules["picotron"].__file__).resolve().parent)  # what the checks run on
+        files |= {str(Path(module.__file__).resolve())} | {str(f) for p in packages for f in p.rglob("*.py")}
         dirs.append(str(folder.parent if hasattr(top, "__path__") else folder))
-    return Assignment(name, checks, _questions(cells), fingerprints, files, _wrong_answer_names(files),
-                      list(dict.fromkeys(dirs)))
+    return Assignment(name, checks, _questions(cells), sorted(files), list(dict.fromkeys(dirs)))
+
+
+def _call_of(source: str, check: str) -> ast.Call | None:
+    """The call `check(...)` when it is all the cell does."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return None
+    if len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Call) \
+            and isinstance(body[0].value.func, ast.Name) and body[0].value.func.id == check:
+        return body[0].value
+    return None
 
 
 def _imported_checks(cells) -> dict[str, str]:
@@ -201,7 +200,7 @@ def _imported_checks(cells) -> dict[str, str]:
 
 def _import_course_module(name: str, root: Path, exercise: Path):
     """Import a check module in the grader's process, the course root first on the path (a checkout
-    that is not installed); its fingerprints are taken before any learner code runs."""
+    that is not installed): it must import, and the packages it runs on must be there."""
     sys.path.insert(0, str(root.resolve()))
     try:
         return importlib.import_module(name)
@@ -226,154 +225,72 @@ def _missing_requirements(assignment: str, module) -> None:
                              f"{package} is")
 
 
-def _wrong_answer_names(files: dict[str, str]) -> frozenset[str]:
-    """AssertionError and the subclasses the check modules define (CollectiveNotAllowed, ...)."""
-    names = {"AssertionError"}
-    for module_name in files:
-        for value in vars(sys.modules[module_name]).values():
-            if isinstance(value, type) and issubclass(value, AssertionError):
-                names.add(value.__name__)
-    return frozenset(names)
+# ---- a check, outside the learner's process ------------------------------------------------------
+def _export_cell(check: Check, path: Path):
+    """The grader's cell in place of a check cell: evaluate the call's arguments in the learner's kernel and write
+    them to `path` by value (picotron.pickling, as `run` sends a function to its ranks: the notebook's functions
+    and classes, and the values they use); the check itself runs later, in a process of its own (`_run_check`)."""
+    call = _call_of(check.source, check.name)
+    args = "".join(ast.unparse(a) + ", " for a in call.args)
+    kwargs = ", ".join(f"{k.arg!r}: {ast.unparse(k.value)}" for k in call.keywords)
+    source = (f"# picotron grader: what {check.name} gets, sent to its own process (not a cell of the learner's)\n"
+              "from picotron.pickling import write as __picotron_write__\n"
+              f"__picotron_write__({str(path)!r}, (({args}), {{{kwargs}}}))\n"
+              "del __picotron_write__\n")
+    return nbformat.v4.new_code_cell(source, metadata={"picotron_grader": check.name})
 
 
-# ---- fingerprints: the same code runs here and, pasted into the guard cells, in the kernel --------
-# These functions use nothing from this module but each other, and no annotations: `_guard_cell`
-# copies their source into a cell.
-def _canonical(value, package, depth=0):
-    """Text that is the same in two processes when `value` is the same code or data (not the same object)."""
-    import types
-    kind = type(value)
-    if depth > 6:
-        return kind.__qualname__
-    if isinstance(value, types.FunctionType):
-        parts = [str(value.__module__), value.__qualname__, _code_text(value.__code__, package, depth),
-                 _canonical(value.__defaults__, package, depth + 1),
-                 _canonical(value.__kwdefaults__, package, depth + 1)]
-        for cell in value.__closure__ or ():
-            try:
-                parts.append(_canonical(cell.cell_contents, package, depth + 1))
-            except ValueError:  # a cell not filled yet
-                parts.append("empty")
-        if "__wrapped__" in value.__dict__:  # functools.wraps, contextmanager: the function inside counts
-            parts.append(_canonical(value.__dict__["__wrapped__"], package, depth + 1))
-        return "function " + " ".join(parts)
-    if isinstance(value, type):
-        name = f"class {value.__module__}.{value.__qualname__}"
-        if depth > 0 or str(value.__module__).split(".")[0] != package:
-            return name  # a class of the package is expanded once, where the module binds it
-        bases = ",".join(f"{base.__module__}.{base.__qualname__}" for base in value.__bases__)
-        members = [f"{key}={_canonical(member, package, 1)}" for key, member in vars(value).items()]
-        return f"{name}({bases}) " + " ".join(members)
-    if isinstance(value, (staticmethod, classmethod)):
-        return kind.__name__ + " " + _canonical(value.__func__, package, depth + 1)
-    if isinstance(value, property):
-        return "property " + " ".join(_canonical(f, package, depth + 1) for f in (value.fget, value.fset, value.fdel))
-    if isinstance(value, types.ModuleType):
-        return "module " + value.__name__
-    if isinstance(value, (tuple, list)):
-        return kind.__name__ + "(" + ",".join(_canonical(v, package, depth + 1) for v in value) + ")"
-    if isinstance(value, (set, frozenset)):  # sorted: a set's order changes with the hash seed
-        return kind.__name__ + "(" + ",".join(sorted(_canonical(v, package, depth + 1) for v in value)) + ")"
-    if isinstance(value, dict):
-        return "dict(" + ",".join(f"{_canonical(k, package, depth + 1)}:{_canonical(v, package, depth + 1)}"
-                                  for k, v in value.items()) + ")"
-    if callable(value) and isinstance(getattr(value, "__qualname__", None), str):  # a builtin
-        return f"callable {getattr(value, '__module__', None)}.{value.__qualname__}"
-    try:
-        text = repr(value)
-    except Exception:
-        return kind.__qualname__
-    if " at 0x" in text or len(text) > 20000:  # an address differs in every process
-        return kind.__qualname__
-    return f"{kind.__qualname__} {text}"
+def _run_check(check: Check, sent: Path, folder: Path, timeout: float, import_dirs: list[str]) -> tuple:
+    """Run the course's check on what the learner's kernel sent, in a fresh Python: (result, detail, seconds)."""
+    verdict = sent.with_suffix(".verdict")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(import_dirs + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    program = "import sys; from picotron_course.grade import _check_process; _check_process(*sys.argv[1:])"
+    started = time.monotonic()
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen([sys.executable, "-c", program, check.module, check.name, str(sent), str(verdict)],
+                                   cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                   start_new_session=True)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the check's ranks and rank server with it
+            process.wait()
+            return "timeout", f"the check ran past its {timeout:g} s and was stopped", time.monotonic() - started
+        seconds = time.monotonic() - started
+        if not verdict.exists():
+            log.seek(0)
+            said = log.read().decode(errors="replace").strip().splitlines()
+            return "error", f"the check's process exited (code {process.returncode}): {said[-1] if said else ''}"[
+                :160], seconds
+    result, detail = verdict.read_text().split("\n", 1)
+    return result, detail, seconds
 
 
-def _code_text(code, package, depth):
-    """A code object as text: its bytecode, names and constants (nested functions included), not its line numbers."""
-    import types
-    consts = [_code_text(c, package, depth) if isinstance(c, types.CodeType) else _canonical(c, package, depth + 1)
-              for c in code.co_consts]
-    return " ".join([code.co_name, code.co_code.hex(), repr(code.co_names), repr(code.co_varnames),
-                     repr(code.co_freevars), repr(code.co_cellvars), "[" + ",".join(consts) + "]"])
-
-
-def _fingerprints(name):
-    """{module: {global name: hash}} for module `name` and the modules of its package its functions,
-    classes and module globals come from."""
-    import hashlib
-    import sys
-    import types
-    package = name.split(".")[0]
-    tables, todo = {}, [name]
-    while todo:
-        module_name = todo.pop()
-        if module_name in tables:
-            continue
-        module = sys.modules.get(module_name)
-        table = tables[module_name] = {}
-        for key, value in list(vars(module).items() if module is not None else ()):
-            if key.startswith("__") and key.endswith("__"):
-                continue
-            if isinstance(value, types.ModuleType) and value.__name__ == f"{module_name}.{key}":
-                continue  # a submodule: an attribute of its package once anything imported it
-            text = _canonical(value, package)
-            table[key] = hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:16]
-            if isinstance(value, types.ModuleType):
-                owner = value.__name__
-            elif isinstance(value, (types.FunctionType, type)):
-                owner = value.__module__
-            else:
-                owner = None
-            if isinstance(owner, str) and owner.split(".")[0] == package:
-                todo.append(owner)
-    return tables
-
-
-def _guard(check, module_name, expected, files, version, token, when, mime):
-    """In the kernel, before and after a check cell: is `check` the course's own? Publishes the answer."""
+def _check_process(module: str, name: str, sent: str, verdict: str) -> None:
+    """A check's own process: import the check from the course's files, then load what the learner sent (after
+    the check's module: it may set the process up, e.g. Triton's interpreter), call the check, write the verdict."""
     import importlib
-    import os
-    import sys
-    from IPython.display import publish_display_data
-    problems, error, user = [], None, globals()  # this function is defined in the cell: the notebook's names
+
+    from picotron import pickling
     try:
-        if sys.version.split()[0] != version:  # bytecode differs between Python versions
-            raise RuntimeError(f"the kernel runs Python {sys.version.split()[0]} and the grader {version}; "
-                               "grade with the kernel's Python")
-        module = sys.modules.get(module_name) or importlib.import_module(module_name)
-        for name, file in files.items():
-            live = getattr(sys.modules.get(name), "__file__", None)
-            if live is None or os.path.realpath(live) != file:
-                raise RuntimeError(f"the kernel imports {name} from {live}, the grader from {file}")
-        live_tables = _fingerprints(module_name)
-        for name, table in expected.items():
-            for key, digest in table.items():
-                if live_tables.get(name, {}).get(key) != digest:
-                    problems.append(f"{name}.{key} was changed")
-        real, theirs = getattr(module, check, None), user.get(check)
-        package = module_name.split(".")[0]
-        if theirs is not None and theirs is not real and _canonical(theirs, package) != _canonical(real, package):
-            problems.append(f"`{check}` in the notebook is not {module_name}.{check}")
-        if when == "before" and real is not None:
-            user[check] = real
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    publish_display_data({mime: {"token": token, "check": check, "when": when, "problems": problems[:4],
-                                 "error": error}})
-
-
-def _guard_cell(check: Check, assignment: Assignment, token: str, when: str):
-    """The grader's cell run before (or after) a check cell: the functions above, then one call."""
-    helpers = "".join(inspect.getsource(f) + "\n" for f in (_canonical, _code_text, _fingerprints, _guard))
-    expected = assignment.fingerprints[check.module]
-    files = {name: assignment.files[name] for name in expected}
-    version = sys.version.split()[0]
-    arguments = ", ".join(repr(a) for a in (check.name, check.module, expected, files, version, token, when,
-                                            _GUARD_MIME))
-    source = (f"# picotron grader ({when} {check.name}): not a cell of the learner's notebook\n"
-              "def __picotron_grader__():\n" + textwrap.indent(helpers, "    ") +
-              f"    _guard({arguments})\n__picotron_grader__()\ndel __picotron_grader__\n")
-    return nbformat.v4.new_code_cell(source, metadata={"picotron_grader": when})
+        check = getattr(importlib.import_module(module), name)
+        args, kwargs = pickling.read(sent)
+    except Exception as e:  # noqa: BLE001 - the learner's arguments could not be rebuilt here
+        result, detail = "error", f"the grader could not load what the notebook sent: {type(e).__name__}: {e}"
+    else:
+        try:
+            check(*args, **kwargs)
+            result, detail = "passed", ""
+        except NotImplementedError as e:
+            result, detail = "not done", f"NotImplementedError: {e}"
+        except AssertionError as e:  # the checks raise AssertionError (or a subclass) on a wrong answer
+            result, detail = "wrong answer", f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001
+            result, detail = "error", f"{type(e).__name__}: {e}"
+    first = detail.strip().split("\n")[0][:160]
+    with open(verdict, "w") as f:
+        f.write(f"{result}\n{first}")
 
 
 # ---- a submission: match its cells to the exercise's, run it, read the results ----------------------
@@ -434,7 +351,8 @@ def grade(path: str | Path, assignment: str | None = None, root: str | Path | No
 
 def grade_notebook(path: str | Path, assignment: Assignment, cell_timeout: float = 300,
                    notebook_timeout: float | None = None, kernel_name: str = "python3") -> Graded:
-    """Run `path` with the grader's cells around each check it kept, and score it."""
+    """Run `path` with each check cell it kept replaced by the grader's (which sends the check's arguments out),
+    then run each check in a process of its own, and score it."""
     path = Path(path)
     try:
         nb = nbformat.read(path, as_version=4)
@@ -443,39 +361,47 @@ def grade_notebook(path: str | Path, assignment: Assignment, cell_timeout: float
                          "is it the .ipynb file?") from None
     cells = nb.cells
     found, static = _match_checks(cells, assignment.checks)
-    token = secrets.token_hex(8)
-    run_cells, origin, where = [], [], {}  # where: check index -> positions (before, check, after) in run_cells
-    at_cell = {cell: k for k, cell in found.items()}
-    for i, cell in enumerate(cells):
-        if cell.cell_type != "code":
-            continue
-        if i not in at_cell:
-            run_cells.append(copy.deepcopy(cell))
+    outbox = Path(tempfile.mkdtemp(prefix="picotron-grade-"))
+    try:
+        run_cells, origin, where = [], [], {}  # where: check index -> its cell's position in run_cells
+        at_cell = {cell: k for k, cell in found.items()}
+        for i, cell in enumerate(cells):
+            if cell.cell_type != "code":
+                continue
+            if i in at_cell:
+                where[at_cell[i]] = len(run_cells)
+                run_cells.append(_export_cell(assignment.checks[at_cell[i]], outbox / f"check-{at_cell[i]}.sent"))
+            else:
+                run_cells.append(copy.deepcopy(cell))
             origin.append(i)
-            continue
-        k = at_cell[i]
-        check = assignment.checks[k]
-        where[k] = tuple(range(len(run_cells), len(run_cells) + 3))
-        run_cells += [_guard_cell(check, assignment, token, "before"), nbformat.v4.new_code_cell(check.source),
-                      _guard_cell(check, assignment, token, "after")]
-        origin += [None, i, None]
-    run_nb = nbformat.v4.new_notebook(cells=run_cells, metadata=copy.deepcopy(nb.metadata))
-    on_disk = _file_stamps(assignment.files)
-    replies, stopped = _execute(run_nb, path.parent, cell_timeout, notebook_timeout, kernel_name,
-                                assignment.import_dirs)
-    changed = [name for name, stamp in _file_stamps(assignment.files).items() if stamp != on_disk[name]]
-    if changed:
-        raise CourseChanged(f"{path} changed the course's files while it ran ({', '.join(changed)}); restore "
-                            f"them (e.g. `git checkout -- {assignment.files[changed[0]]}`) and grade the others again")
-    results = []
-    for k, check in enumerate(assignment.checks):
-        if k in static:
-            results.append(CheckResult(check.name, static[k][0], static[k][1], static[k][2]))
-        else:
-            results.append(_verdict(check, found[k] + 1, where[k], run_nb, replies, stopped, token,
-                                    assignment.wrong_answer))
+        run_nb = nbformat.v4.new_notebook(cells=run_cells, metadata=copy.deepcopy(nb.metadata))
+        on_disk = _file_stamps(assignment.files)
+        replies, stopped = _execute(run_nb, path.parent, cell_timeout, notebook_timeout, kernel_name,
+                                    assignment.import_dirs)
+        changed = [file for file, stamp in _file_stamps(assignment.files).items() if stamp != on_disk[file]]
+        if changed:
+            raise CourseChanged(f"{path} changed the course's files while it ran ({', '.join(changed)}); restore "
+                                f"them (e.g. `git checkout -- {changed[0]}`) and grade the others again")
+        results = []
+        for k, check in enumerate(assignment.checks):
+            if k in static:
+                results.append(CheckResult(check.name, static[k][0], static[k][1], static[k][2]))
+                continue
+            cell, reply = found[k] + 1, replies.get(where[k])
+            if reply is None:
+                kind, why = stopped or ("error", "the check did not run")
+                results.append(CheckResult(check.name, cell, "timeout" if kind == "timeout" else "error", why))
+            elif reply.get("status") != "ok":  # its arguments could not be evaluated or sent (a stub, a typo)
+                result = "not done" if reply.get("ename") == "NotImplementedError" else "error"
+                results.append(CheckResult(check.name, cell, result, _error_text(reply)))
+            else:
+                result, detail, seconds = _run_check(check, outbox / f"check-{k}.sent", path.parent, cell_timeout,
+                                                     assignment.import_dirs)
+                results.append(CheckResult(check.name, cell, result, detail, seconds))
+    finally:
+        shutil.rmtree(outbox, ignore_errors=True)
     errors = [(origin[j] + 1, _error_text(replies[j])) for j in range(len(run_cells))
-              if origin[j] is not None and origin[j] not in at_cell and replies.get(j, {}).get("status") == "error"]
+              if origin[j] not in at_cell and replies.get(j, {}).get("status") == "error"]
     return Graded(path, assignment.name, results, _answers(cells, assignment.questions), errors)
 
 
@@ -534,7 +460,7 @@ def _execute(nb, folder: Path, cell_timeout: float, notebook_timeout: float | No
     client = NotebookClient(nb, timeout_func=timeout_of, allow_errors=True, kernel_name=kernel_name,
                             shutdown_kernel="immediate", on_cell_executed=executed,
                             resources={"metadata": {"path": str(folder.resolve())}})
-    env = dict(os.environ)  # the kernel imports the checks from the files the grader fingerprinted
+    env = dict(os.environ)  # the kernel imports the course from the files the checks run from
     env["PYTHONPATH"] = os.pathsep.join(import_dirs + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     try:
         client.execute(env=env)
@@ -552,63 +478,19 @@ def _execute(nb, folder: Path, cell_timeout: float, notebook_timeout: float | No
     return replies, None
 
 
-def _file_stamps(files: dict[str, str]) -> dict[str, tuple]:
+def _file_stamps(files: list[str]) -> dict[str, tuple]:
     stamps = {}
-    for name, file in files.items():
+    for file in files:
         try:
-            stamps[name] = (Path(file).read_bytes(),)
+            stamps[file] = (Path(file).read_bytes(),)
         except OSError:
-            stamps[name] = ("missing",)
+            stamps[file] = ("missing",)
     return stamps
-
-
-def _verdict(check: Check, cell: int, places: tuple[int, int, int], nb, replies: dict, stopped, token: str,
-             wrong_answer: frozenset[str]) -> CheckResult:
-    before, run, after = places
-    if after not in replies:
-        kind, why = stopped or ("error", "the check did not run")
-        return CheckResult(check.name, cell, "timeout" if kind == "timeout" else "error", why)
-    seconds = _seconds(nb.cells[run])
-    for place in (before, after):
-        report = _guard_report(nb.cells[place], token)
-        if report is None:
-            return CheckResult(check.name, cell, "rebound", "the grader's own cell around this check did not report "
-                               "(something in the notebook stopped it)", seconds)
-        if report.get("error"):
-            return CheckResult(check.name, cell, "error", f"the grader could not check {check.name}: "
-                               f"{report['error']}", seconds)
-        if report.get("problems"):
-            return CheckResult(check.name, cell, "rebound", "; ".join(report["problems"]), seconds)
-    reply = replies[run]
-    if reply.get("status") == "ok":
-        return CheckResult(check.name, cell, "passed", "", seconds)
-    error = _error_text(reply)
-    ename = reply.get("ename", "")
-    result = "not done" if ename == "NotImplementedError" else "wrong answer" if ename in wrong_answer else "error"
-    return CheckResult(check.name, cell, result, error, seconds)
-
-
-def _guard_report(cell, token: str) -> dict | None:
-    for output in cell.get("outputs", []):
-        report = output.get("data", {}).get(_GUARD_MIME) if output.get("output_type") == "display_data" else None
-        if isinstance(report, dict) and report.get("token") == token:
-            return report
-    return None
 
 
 def _error_text(reply: dict) -> str:
     first = (reply.get("evalue") or "").strip().split("\n")[0]
     return f"{reply.get('ename', 'error')}: {first}"[:160]
-
-
-def _seconds(cell) -> float | None:
-    timing = cell.metadata.get("execution", {})
-    try:
-        start = datetime.fromisoformat(timing["iopub.execute_input"].replace("Z", "+00:00"))
-        end = datetime.fromisoformat(timing["shell.execute_reply"].replace("Z", "+00:00"))
-    except (KeyError, ValueError):
-        return None
-    return (end - start).total_seconds()
 
 
 # ---- written answers ---------------------------------------------------------------------

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from picotron.kernels.runtime import use_device_descriptors
-from picotron_course.grade import _fingerprints
 from picotron_course.checks_kernels import (check_flash_attention_kernel, check_online_softmax_kernel,
                                             check_rmsnorm_kernel, check_softmax_kernel)
 
@@ -203,13 +202,9 @@ def ref_flash_attention_split(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head
                          ids=["softmax", "softmax_exp2", "rmsnorm", "online_softmax", "online_softmax_lanes",
                               "flash_attention", "flash_attention_split"])
 def test_correct_answer_passes(check, kernel, capsys):
-    before = _fingerprints(check.__module__)
     check(kernel)
     out = capsys.readouterr().out
     assert "FAIL" not in out and " ok" in out
-    # the grader compares these around every check cell: a check that changes its module's globals
-    # (a cache, a counter) would make the next check look rebound by the learner, and score 0
-    assert _fingerprints(check.__module__) == before
 
 
 # ---- planted wrong answers: softmax ------------------------------------------------------------------
