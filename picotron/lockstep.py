@@ -34,7 +34,7 @@ import torch
 
 from picotron import tolerance
 
-__all__ = ["Trace", "Lockstep", "Recorder", "compare", "figure"]
+__all__ = ["Trace", "Lockstep", "Recorder", "compare", "combine", "figure"]
 
 
 @dataclass
@@ -43,6 +43,12 @@ class Trace:
     loss: list = field(default_factory=list)
     grads: list = field(default_factory=list)
     weights: dict | None = None
+
+    def only(self, names) -> Trace:
+        """The same run restricted to the parameters `names` (what one pipeline stage holds, by name)."""
+        names = set(names)
+        return Trace(self.loss, [None if g is None else {n: t for n, t in g.items() if n in names} for g in self.grads],
+                     None if self.weights is None else {n: w for n, w in self.weights.items() if n in names})
 
 
 @dataclass
@@ -56,15 +62,27 @@ class Lockstep:
     weight_diff: float | None = None
     weights_close: bool | None = None
     first_step: tolerance.Comparison | None = None     # step 0 against the rounding bound (first_step_n)
+    # What must have been compared, or the run is not proven (a check that silently skips is no check):
+    reference_steps: int = 0                           # as many steps as the reference
+    expect_grads: bool = True                          # gradients at every step (Recorder(grads=False): none)
+    expect_weights: bool = True                        # the final weights, when the reference has them
+    no_grads: list = field(default_factory=list)       # steps at which the run recorded no gradients
 
     @property
     def ok(self) -> bool:
         return not self.failures()
 
     def failures(self) -> list[str]:
-        """What is not equal enough, one line each (empty when the run equals its reference)."""
-        out = [f"step {i}: loss differs by {d:.3g} (tolerance {tolerance.LOSS_ATOL:g})"
-               for i, d in enumerate(self.loss_diff) if not d <= tolerance.LOSS_ATOL]
+        """What is not equal enough, or was not compared, one line each (empty when the run equals its reference)."""
+        out = []
+        if len(self.loss) != self.reference_steps:
+            out.append(f"the run recorded {len(self.loss)} steps, the reference {self.reference_steps}")
+        if self.expect_grads and self.no_grads:
+            out.append(f"steps {self.no_grads}: no gradients were compared (Recorder.step got none)")
+        if self.expect_weights and self.weights_close is None:
+            out.append("the final weights were not compared (Recorder.finish got none)")
+        out += [f"step {i}: loss differs by {d:.3g} (tolerance {tolerance.LOSS_ATOL:g})"
+                for i, d in enumerate(self.loss_diff) if not d <= tolerance.LOSS_ATOL]
         out += [f"step {i}: gradients differ by up to {self.grad_diff[i]:.3g} (tolerance rtol = atol = "
                 f"{tolerance.TRAINING_GRAD_TOL:g})" for i, close in enumerate(self.grads_close) if close is False]
         if self.weights_close is False:
@@ -85,9 +103,11 @@ class Recorder:
     """Records a run step by step: the reference run keeps everything (`finish` returns a Trace); a
     parallel run given the reference compares each step as it is recorded (`finish` returns a Lockstep)."""
 
-    def __init__(self, reference: Trace | None = None, *, first_step_n: int | None = None):
+    def __init__(self, reference: Trace | None = None, *, first_step_n: int | None = None, grads: bool = True):
+        """`grads=False`: this run has no full gradients to compare (e.g. torch's FSDP2 keeps them sharded);
+        otherwise every step must bring them, or the Lockstep says which steps were not compared."""
         self.reference, self.first_step_n = reference, first_step_n
-        self.trace, self.result = Trace(), Lockstep()
+        self.trace, self.result = Trace(), Lockstep(expect_grads=grads)
 
     def step(self, loss, grads: dict | None = None) -> None:
         loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
@@ -99,7 +119,9 @@ class Recorder:
         self.result.loss.append(loss)
         self.result.loss_diff.append(abs(loss - self.reference.loss[step]))
         expected = self.reference.grads[step] if step < len(self.reference.grads) else None
-        if grads is None or expected is None:
+        if grads is None:
+            self.result.no_grads.append(step)
+        if grads is None or expected is None:  # (a reference may keep gradients on one rank only: compared there)
             self.result.grad_diff.append(math.nan)
             self.result.grads_close.append(None)
             return
@@ -113,6 +135,9 @@ class Recorder:
         if self.reference is None:
             self.trace.weights = None if weights is None else {n: w.detach().clone() for n, w in weights.items()}
             return self.trace
+        # The reference may be recorded beside this run (in the same loop): its length is known only now.
+        self.result.reference_steps = len(self.reference.loss)
+        self.result.expect_weights = self.reference.weights is not None
         if weights is not None and self.reference.weights is not None:
             self.result.weight_diff, self.result.weights_close = _difference(
                 weights, self.reference.weights, tolerance.ADAM_WEIGHTS_ATOL, relative=False)
@@ -120,11 +145,27 @@ class Recorder:
 
 
 def compare(run: Trace, reference: Trace, *, first_step_n: int | None = None) -> Lockstep:
-    """Two recorded Traces (both brought back to one process), compared as a Recorder compares as it goes."""
-    recorder = Recorder(reference, first_step_n=first_step_n)
+    """Two recorded Traces (both brought back to one process), compared as a Recorder compares as it goes
+    (gradients where `run` has them: a Trace of losses and weights compares those)."""
+    recorder = Recorder(reference, first_step_n=first_step_n, grads=any(g is not None for g in run.grads))
     for loss, grads in zip(run.loss, run.grads + [None] * (len(run.loss) - len(run.grads))):
         recorder.step(loss, grads)
     return recorder.finish(run.weights)
+
+
+def combine(runs: list) -> Lockstep:
+    """Locksteps of the ranks of one run, each over the parameters its rank holds (pipeline stages, experts), as
+    one over the whole model: at every step the worst rank, and what any rank did not compare."""
+    return Lockstep(loss=runs[0].loss,
+                    loss_diff=[max(d) for d in zip(*(r.loss_diff for r in runs))],
+                    grad_diff=[max(d) for d in zip(*(r.grad_diff for r in runs))],
+                    grads_close=[None if None in c else all(c) for c in zip(*(r.grads_close for r in runs))],
+                    weight_diff=max((r.weight_diff for r in runs if r.weight_diff is not None), default=None),
+                    weights_close=None if any(r.weights_close is None for r in runs) else
+                    all(r.weights_close for r in runs),
+                    first_step=None, reference_steps=min(r.reference_steps for r in runs),
+                    expect_grads=any(r.expect_grads for r in runs), expect_weights=any(r.expect_weights for r in runs),
+                    no_grads=sorted({step for r in runs for step in r.no_grads}))
 
 
 def _difference(actual: dict, expected: dict, tol: float, *, relative: bool) -> tuple[float, bool]:

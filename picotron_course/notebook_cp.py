@@ -11,7 +11,7 @@ cells, runs the proofs on ranks, counts the bytes and times the steps lives here
     idea_figure                                           the ring, and the causal work per rank (section 1)
     worst_error                                           the one-line verdict of a proof on ranks
     ulysses_on_ranks                                      picotron's Ulysses on ranks, shapes recorded (2.5)
-    train, prove, proof_rows, show_proof, proof_figure    attention and 20 training steps vs one process (3)
+    train, prove, proof_rows, show_proof                  attention; 20 steps in lockstep with one process (3)
     measure, step_times                                   work, bytes, activations (and step times) on ranks (4)
     show_work, work_figure, comm_figure, ...              the tables behind SHOW_DETAILS, and the figures (4, 5)
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from matplotlib.patches import FancyArrowPatch, Polygon, Rectangle
 
-from picotron import comm, tolerance
+from picotron import comm, lockstep, tolerance
 from picotron.data import DataLoader, cp_positions
 from picotron.memory import GiB
 from picotron.mesh import Mesh
@@ -43,7 +43,7 @@ from picotron.parallel.context_parallel import (CP_MODES, AttentionWork, apply_c
 from picotron.parallel.context_parallel_costs import (cp_activation_bytes_per_layer, cp_comm_bytes_per_layer,
                                                       ring_attention_work)
 from picotron.parallel.data_parallel import all_reduce_gradients
-from picotron_course.notebook import caption, max_diff
+from picotron_course.notebook import caption
 
 RANK_COLOURS = [plt.cm.tab10(i) for i in range(4)]
 
@@ -217,10 +217,11 @@ def ulysses_on_ranks(seq: int, heads: int, kv_heads: int, head_dim: int) -> dict
 
 
 # ---- section 3: the proof --------------------------------------------------------------------------------
-def train(config, dataset, batch: int, steps: int, mode: str | None = None, reference: dict | None = None) -> dict:
-    """One process (mode None), or this rank of a cp run in `mode`, compared with `reference` at every step:
-    `steps` AdamW steps on `batch` sequences of the dataset. Returns the losses (the mean over the cp ranks), the
-    largest gradient difference from the reference at each step (after the all-reduce), the final weights."""
+def train(config, dataset, batch: int, steps: int, mode: str | None = None, reference=None):
+    """`steps` AdamW steps on `batch` sequences of the dataset. One process (mode None): its Trace, every step's
+    loss and gradients and the final weights. Or this rank of a cp run in `mode`, compared with `reference` at
+    every step (picotron.lockstep: the mean loss over the cp ranks, the gradients after the all-reduce, the final
+    weights): its Lockstep, and the positions of the tokens it held."""
     model, mesh = new_model(config), None
     loader = DataLoader(dataset, batch)
     if mode is not None:
@@ -228,28 +229,21 @@ def train(config, dataset, batch: int, steps: int, mode: str | None = None, refe
         apply_context_parallel(model, mesh, mode)
         loader = DataLoader(dataset, batch, cp_rank=mesh.cp_rank, cp_size=mesh.cp_size, zigzag=mode == "zigzag")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    out = {"loss": [], "grad_error": [], "grads": []}
+    record = lockstep.Recorder(reference)
     for step in range(steps):
         data = loader.get_batch(step)
         loss = loss_fn(model(data.input_ids, data.position_ids), data.targets)
         loss.backward()
-        if mesh is None:
-            out["loss"].append(loss.item())
-            out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        else:
+        if mesh is not None:
             all_reduce_gradients(model, mesh.dp_cp_group)
-            total = loss.detach().clone()
-            dist.all_reduce(total, group=mesh.dp_cp_group)
-            out["loss"].append(total.item() / mesh.cp_size)
-            out["grad_error"].append(max(max_diff(p.grad, reference["grads"][step][n])
-                                         for n, p in model.named_parameters()))
+            loss = loss.detach().clone()                        # the mean over the cp ranks: the whole batch's
+            dist.all_reduce(loss, group=mesh.dp_cp_group)
+            loss /= mesh.cp_size
+        record.step(loss, {n: p.grad for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
-    out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if mesh is not None:
-        del out["grads"]
-        out["positions"] = data.position_ids[0].tolist()
-    return out
+    result = record.finish(dict(model.named_parameters()))
+    return result if mesh is None else (result, data.position_ids[0].tolist())
 
 
 def attention_errors(seq: int, heads: int, kv_heads: int, head_dim: int) -> dict:
@@ -270,33 +264,34 @@ def attention_errors(seq: int, heads: int, kv_heads: int, head_dim: int) -> dict
     return out
 
 
-def prove(config, dataset, batch: int, steps: int, seq: int, reference: dict) -> dict:
-    """On a rank: attention_errors in every mode, and `steps` training steps in every mode."""
+def prove(config, dataset, batch: int, steps: int, seq: int, reference) -> dict:
+    """On a rank: attention_errors in every mode, and `steps` training steps in every mode against the one-process
+    `reference` (a Trace): {"attention": {mode: Comparisons}, "train": {mode: Lockstep}, "positions": {mode: [...]}}."""
+    trained = {mode: train(config, dataset, batch, steps, mode, reference) for mode in CP_MODES}
     return {"attention": attention_errors(seq, config.num_attention_heads, config.num_key_value_heads,
                                           config.head_dim),
-            "train": {mode: train(config, dataset, batch, steps, mode, reference) for mode in CP_MODES}}
+            "train": {mode: result for mode, (result, _) in trained.items()},
+            "positions": {mode: positions for mode, (_, positions) in trained.items()}}
 
 
-def proof_rows(proof: dict, reference: dict, seq: int) -> dict:
+def proof_rows(proof: dict, seq: int) -> dict:
     """One row per (cp, mode), the worst over its ranks: attention's error as a fraction of its rounding bound
-    (and in absolute terms per tensor), the largest loss and gradient differences over the steps, the weights
-    after the last step (within rtol = atol = 1e-4?), and whether the ranks held every token once."""
+    (and in absolute terms per tensor); training's largest loss and gradient differences over the steps and the
+    final weights' (each rank's Lockstep holds them), and whether the ranks held every token once."""
     rows = {}
     for cp, ranks in proof.items():
         for mode in CP_MODES:
             attention = [rank["attention"][mode] for rank in ranks]
             runs = [rank["train"][mode] for rank in ranks]
-            positions = [set(run["positions"]) for run in runs]
+            positions = [set(rank["positions"][mode]) for rank in ranks]
             rows[cp, mode] = {
                 "attention": max(e.ratio for a in attention for e in a.values()),
                 "attention worst": max(((str(e), e.ratio) for a in attention for e in a.values()),
                                        key=lambda pair: pair[1])[0],
                 **{name: max(a[name].error for a in attention) for name in ("out", "dq", "dk", "dv")},
-                "loss": max(abs(x - y) for run in runs for x, y in zip(run["loss"], reference["loss"])),
-                "grad": max(max(run["grad_error"]) for run in runs),
-                "weights": max(max_diff(run["weights"][n], w) for run in runs for n, w in reference["weights"].items()),
-                "weights ok": all(torch.allclose(run["weights"][n], w, rtol=1e-4, atol=1e-4)
-                                  for run in runs for n, w in reference["weights"].items()),
+                "loss": max(max(run.loss_diff) for run in runs),
+                "grad": max(max(run.grad_diff) for run in runs),
+                "weights": max(run.weight_diff for run in runs),
                 "each token once": set().union(*positions) == set(range(seq)) and sum(map(len, positions)) == seq,
             }
     return rows
@@ -309,25 +304,6 @@ def show_proof(rows: dict) -> None:
     for (cp, mode), row in rows.items():
         print(f"cp={cp} {mode:<10}{row['out']:>15.1e}{row['dq']:>9.1e}{row['dk']:>9.1e}{row['dv']:>9.1e}"
               f"{row['loss']:>16.1e}{row['grad']:>16.1e}{row['weights']:>14.1e}")
-
-
-def proof_figure(reference: dict, proof: dict, tolerance_: float = 1e-5) -> None:
-    """Loss curves on the one-process curve, and the largest gradient difference per step (rank 0 of each run)."""
-    fig, (ax_loss, ax_err) = plt.subplots(1, 2, figsize=(11, 3.8))
-    ax_loss.plot(reference["loss"], "k-", lw=4, alpha=0.25, label="one process")
-    for i, (cp, mode) in enumerate((cp, mode) for cp in proof for mode in CP_MODES):
-        result = proof[cp][0]["train"][mode]
-        ax_loss.plot(result["loss"], "o", ms=3, color=f"C{i}", label=f"cp={cp}, {mode}")
-        ax_err.semilogy(np.maximum(result["grad_error"], 1e-10), "o-", ms=3, color=f"C{i}", label=f"cp={cp}, {mode}")
-    ax_err.axhline(tolerance_, color="C3", ls=":", lw=1.5, label=f"tolerance {tolerance_:g}")
-    ax_loss.set(xlabel="step", ylabel="loss (nats per token)", title="Loss: context-parallel vs one process")
-    ax_err.set(xlabel="step", ylabel="max |gradient difference|", title="Gradients after the all-reduce vs one process")
-    ax_loss.legend(fontsize=7)
-    ax_err.legend(fontsize=7, loc="lower right", ncol=2)
-    caption(fig, "Left: every context-parallel run lies on the one-process loss curve. Right: the largest gradient "
-            f"difference stays at float32 round-off, well under the tolerance, for {len(reference['loss'])} steps, "
-            "in all three modes.")
-    plt.show()
 
 
 # ---- section 4: what one launch per cp size measures ------------------------------------------------------

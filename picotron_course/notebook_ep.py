@@ -7,17 +7,18 @@ runs around them, so that the reading path stays idea, key code, proof, measurem
     on ranks (picotron.launch.run sends them; module functions travel by reference)
         ep_moe_vs_plain    the chapter's ep_moe and picotron's ExpertParallelMoE against one device
         tp_and_ep          dp=2 x tp=2 with ep=2 against the model on one device
-        prove              one MoE layer, then training runs of a small Llama, against one process
+        prove              one MoE layer, then training runs of a small Llama in lockstep with one process
+                           (picotron.lockstep compares them, and draws the proof's figure)
         train_for_load     tiny-moe trained with and without the balancing loss, the loads recorded
         time_steps         one training step per ep size, split into its phases and timed
     in this process
         moe_roundings      picotron.tolerance's n for one number of an MoE layer, read from its config
-        train_proof        the one-process reference of `prove` (the same function, ep=None)
+        train_proof        the one-process reference of `prove` (the same function, ep=None): its Trace
         summed             collective counts summed over layers, to hold against ep_comm_per_layer
         dropped_fractions  the slots a capacity drops on held-out batches
     figures
-        draw_dispatch_example, draw_ep_groups, draw_proof_curves, draw_margins, draw_load, draw_drops,
-        draw_bytes, draw_step_times, draw_limits
+        draw_dispatch_example, draw_ep_groups, draw_margins, draw_load, draw_drops, draw_bytes,
+        draw_step_times, draw_limits
 
 Generic helpers (caption, sync, max_diff, slowest_median) come from picotron_course.notebook.
 """
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from picotron import comm, tolerance
+from picotron import comm, lockstep, tolerance
 from picotron.config import ModelConfig
 from picotron.data import DataLoader
 from picotron.launch import backend_for, device
@@ -46,10 +47,9 @@ from picotron.parallel.tensor_parallel import (apply_tensor_parallel, gather_gra
                                                vocab_parallel_cross_entropy)
 from picotron_course.notebook import caption, max_diff, sync
 
-__all__ = ["moe_roundings", "ep_moe_vs_plain", "tp_and_ep", "ProofSetup", "train_proof", "prove", "summed", "train_for_load",
-           "dropped_fractions", "time_steps", "expert_params", "draw_dispatch_example", "draw_ep_groups",
-           "draw_proof_curves", "draw_margins", "draw_load", "draw_drops", "draw_bytes", "draw_step_times",
-           "draw_limits"]
+__all__ = ["moe_roundings", "ep_moe_vs_plain", "tp_and_ep", "ProofSetup", "train_proof", "prove", "summed",
+           "train_for_load", "dropped_fractions", "time_steps", "expert_params", "draw_dispatch_example",
+           "draw_ep_groups", "draw_margins", "draw_load", "draw_drops", "draw_bytes", "draw_step_times", "draw_limits"]
 
 
 def expert_params(config: ModelConfig) -> int:
@@ -162,11 +162,6 @@ def _grads_of(module) -> dict:
     return {n: p.grad.clone() for n, p in module.named_parameters()}
 
 
-def _worst(ours: dict, reference: dict) -> float:
-    """Largest difference over the tensors `ours` has (an EP rank holds only its experts)."""
-    return max(max_diff(ours[n], reference[n]) for n in ours)
-
-
 def _layer_vs_one_device(config: ModelConfig, capacity_factor=None) -> dict:
     """picotron's EP layer, balancing loss on, against the plain MoE: on the global batch (dropless), or with a
     capacity against one device run on each rank's tokens in turn (the capacity applies per rank)."""
@@ -214,9 +209,13 @@ def train_proof(setup: ProofSetup, dp: int, ep: int | None = None, reference: di
                 router_scale: float | None = None) -> dict:
     """One process on the global batch of dp ranks (ep=None), or this rank of dp ranks with ep-way EP.
 
-    Every step records the loss and each expert's load. One process also keeps the gradients, the routers'
-    logits and the smallest top-k margin; an EP rank the largest gradient and logit differences from
-    `reference`, and in step 0 what its collectives carried."""
+    The lockstep proof is picotron.lockstep's: one process keeps out["trace"] (every step's loss and gradients,
+    the final weights), an EP rank out["lockstep"], compared with reference["trace"] as it trains. A rank holds
+    whole tensors under the plain model's names (its experts and the replicated rest), so nothing is gathered:
+    the reference is cut to those names (Trace.only), and an EP group's ranks together hold every expert.
+    Beside it, every step records each expert's load; one process the routers' logits and the smallest top-k
+    margin, an EP rank the largest logit difference from `reference` (the drift, section 3.3) and in step 0
+    what its collectives carried."""
     config, steps, batch, seq = setup.config, setup.steps, setup.batch, setup.seq
     top_k = config.experts_per_token
     torch.manual_seed(0)
@@ -235,9 +234,10 @@ def train_proof(setup: ProofSetup, dp: int, ep: int | None = None, reference: di
         apply_expert_parallel(model, groups)
         loader = DataLoader(setup.data, batch, dp_rank=mesh.dp_rank, dp_size=dp)
         mine = slice(mesh.dp_rank * batch * seq, (mesh.dp_rank + 1) * batch * seq)   # my tokens in the global batch
+    held = dict(model.named_parameters())                 # an EP rank: its experts and the replicated rest
+    record = lockstep.Recorder(None if ep is None else reference["trace"].only(held))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    out = {"loss": [], "load": [], "grads": [], "logits": [], "margin": [], "grad_error": [], "drift": [],
-           "samples": None}
+    out = {"load": [], "logits": [], "margin": [], "drift": [], "samples": None, "held": sorted(held)}
     for step in range(steps):
         logits.clear()
         data = loader.get_batch(step)
@@ -255,31 +255,27 @@ def train_proof(setup: ProofSetup, dp: int, ep: int | None = None, reference: di
             loss = loss.detach().clone()
             dist.all_reduce(loss)                         # the global batch's loss: the mean over the dp ranks
             loss /= dp
-        out["loss"].append(loss.item())
+        record.step(loss, {n: p.grad for n, p in held.items()})
         out["load"].append([moe.last_load.tolist() for moe in model.moe_layers()])
         if ep is None:
-            out["grads"].append(_grads_of(model))
             out["logits"].append([l.clone() for l in logits])
             top = [l.topk(top_k + 1, dim=-1).values for l in logits]            # (tokens, k + 1) per layer
             out["margin"].append(min((t[:, top_k - 1] - t[:, top_k]).min().item() for t in top))
         else:
-            out["grad_error"].append(_worst(_grads_of(model), reference["grads"][step]))
             out["drift"].append(max(max_diff(l, r[mine]) for l, r in zip(logits, reference["logits"][step])))
         optimizer.step()
         optimizer.zero_grad()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if ep is None:
-        out["weights"] = weights
-    else:
-        out["weight_error"] = _worst(weights, reference["weights"])
+    out["trace" if ep is None else "lockstep"] = record.finish(held)
+    if ep is not None:
         out["local experts"] = len(model.moe_layers()[0].experts)
-        del out["grads"], out["logits"]
+        del out["logits"], out["margin"]
     return out
 
 
 def prove(setup: ProofSetup, references: dict, unscaled_reference: dict | None = None) -> dict:
     """On each rank: the layer, dropless and with a capacity of 1.0, then a training run per ep size of
-    setup.cases[world]; with `unscaled_reference`, also dp = ep = world at the default router init."""
+    setup.cases[world] against the one-process `references[world]` (train_proof: out[("train", ep)]["lockstep"]);
+    with `unscaled_reference`, also dp = ep = world at the default router init, which may part from it."""
     world = dist.get_world_size()
     out = {"dropless": _layer_vs_one_device(setup.config), "capacity": _layer_vs_one_device(setup.config, 1.0)}
     out |= {("train", ep): train_proof(setup, world, ep, references[world]) for ep in setup.cases[world]}
@@ -486,30 +482,6 @@ def draw_ep_groups() -> None:
     _no_frame(ax)
     caption(fig, "Each EP group splits the 8 experts over its 2 ranks; the non-expert weights are averaged over all 4 "
             "ranks, the expert weights only over the 2 ranks holding them (numbers: expert ids).")
-    plt.show()
-
-
-def draw_proof_curves(references: dict, proof: dict, trained: list, tolerance_line: float = 1e-5) -> None:
-    """Left: the loss of every EP run on its one-process curve; right: rank 0's largest gradient difference."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-    fig, (ax_loss, ax_err) = plt.subplots(1, 2, figsize=(11, 3.8))
-    ax_loss.plot(references[4]["loss"], "k-", lw=4, alpha=0.25, label="one process, global batch of 4 ranks")
-    ax_loss.plot(references[2]["loss"], "k--", lw=4, alpha=0.15, label="one process, global batch of 2 ranks")
-    for i, (world, ep) in enumerate(trained):
-        result = proof[world][0][("train", ep)]
-        ax_loss.plot(result["loss"], "o", ms=3, color=f"C{i}", label=f"dp = {world}, ep = {ep}")
-        ax_err.semilogy(np.maximum(result["grad_error"], 1e-10), "o-", ms=3, color=f"C{i}",
-                        label=f"dp = {world}, ep = {ep}")
-    ax_err.axhline(tolerance_line, color="C3", ls=":", lw=1.5, label="tolerance 1e-5")
-    ax_loss.set(xlabel="step", ylabel="loss, cross-entropy + aux (nats per token)",
-                title="Loss: EP ranks vs one process")
-    ax_err.set(xlabel="step", ylabel="max |gradient difference|",
-               title="Gradients of rank 0 vs one process, every step")
-    ax_loss.legend(fontsize=7)
-    ax_err.legend(fontsize=7, loc="center right")
-    caption(fig, "Left: every EP run lies on its one-process loss curve. Right: the largest gradient difference stays "
-            "at float32 round-off, two orders of magnitude under the tolerance, for 20 steps.")
     plt.show()
 
 

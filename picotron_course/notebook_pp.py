@@ -11,8 +11,9 @@ runs the proofs on ranks, times the schedules and draws them lives here:
     step_time, mean_bubble, gantt, op_legend     a timeline's arithmetic, and its drawing: a bar per action
     idea_figure, simulated_figure                where the layers live and the bubble (1); simulated timelines
     show_two_stages, show_two_schedules          the per-rank tables behind section 2's pass lines
-    train_one_process, prove, expected_comm      every schedule against one process and torch, on ranks (3)
-    proof_rows, show_proof, proof_figure         the proof's worst cases, its table and its figure (3)
+    train_one_process, prove, expected_comm      every schedule against one process and torch, on ranks (3),
+                                                 compared by picotron.lockstep, whose figure the chapter draws
+    whole_runs, show_proof                       the ranks' comparisons as one per case, and the proof's table (3)
     WaitingStage, measure                        stages that sleep, and the real model, timed on ranks (4)
     waiting_figure, real_figure, bubble_figure,  section 4's figures, and the tables behind them
     memory_rows, memory_figure, show_*
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from picotron import comm, tolerance
+from picotron import comm, lockstep, tolerance
 from picotron.data import DataLoader
 from picotron.launch import device
 from picotron.memory_tracking import MemoryTracker
@@ -215,36 +216,38 @@ def show_two_schedules(results: list, names) -> None:
 
 
 # ---- section 3: the proof ------------------------------------------------------------------------
-def train_one_process(config, dataset, batch: int, steps: int) -> dict:
+def train_one_process(config, dataset, batch: int, steps: int) -> lockstep.Trace:
     """`steps` AdamW steps of one process on the whole batch: every step's loss and gradients, the final weights."""
     model, loader = new_model(config), DataLoader(dataset, batch)
     optimizer = adamw(model.parameters())
-    out = {"loss": [], "grads": []}
+    record = lockstep.Recorder()
     for step in range(steps):
         data = loader.get_batch(step)
         loss = loss_fn(model(data.input_ids), data.targets)
         loss.backward()
-        out["loss"].append(loss.item())
-        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        record.step(loss, {n: p.grad for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
-    out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    return record.finish(dict(model.named_parameters()))
 
 
-def train_pipeline(mesh, schedule, step, config, dataset, batch: int, reference: dict) -> dict:
+def train_pipeline(mesh, schedule, step, config, dataset, batch: int, reference: lockstep.Trace) -> dict:
     """On a rank: one step of `schedule` per reference step, through the chapter's `step` (run_schedule, the
-    tied gradient, the dp all-reduce), then AdamW. Every step's loss and gradients are held against one
-    process's; step 0's messages, timeline and ready times are kept."""
+    tied gradient, the dp all-reduce), then AdamW; out["lockstep"] holds every step's loss and this rank's
+    gradients, and its final weights, against one process's (picotron.lockstep). A stage holds whole parameters,
+    so nothing is gathered: they are compared with the reference's of the same names (the tied matrix under
+    "embed.weight" on both its ends), and the ranks together cover the model. Step 0's messages, timeline and
+    ready times are kept."""
     model = new_model(config)
     names = {p: n for n, p in model.named_parameters()}
     stages = build_stages(model, mesh.pp_rank, mesh.pp_size, schedule.virtual_stages)
     params = stage_parameters(stages)
+    mine = {names[p]: p for p in params}                                   # this rank's parameters, by name
+    record = lockstep.Recorder(reference.only(mine))                      # one process's, cut to the same names
     optimizer = adamw(params)
     loader = DataLoader(dataset, batch // mesh.dp_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
-    out = {"loss": [], "grad_error": [], "grads_close": [], "param_bytes": 4 * sum(p.numel() for p in params),
-           "stages": [s.index for s in stages]}
-    for i in range(len(reference["loss"])):
+    out = {"param_bytes": 4 * sum(p.numel() for p in params), "stages": [s.index for s in stages]}
+    for i in range(len(reference.loss)):
         data = loader.get_batch(i)
         mesh.counter.reset()
         ready, timeline = [], Timeline()                                   # (stage, time) its gradients were final
@@ -256,14 +259,10 @@ def train_pipeline(mesh, schedule, step, config, dataset, batch: int, reference:
                        samples=data.sample_ids.tolist())
         loss = result.loss if result.loss is not None else torch.zeros(())
         dist.all_reduce(loss)            # not counted, for the comparison only: the last stages' losses, summed
-        out["loss"].append(loss.item() / mesh.dp_size)
-        expected = reference["grads"][i]
-        out["grad_error"].append(max(max_diff(p.grad, expected[names[p]]) for p in params))
-        out["grads_close"].append(all(torch.allclose(p.grad, expected[names[p]], rtol=tolerance.TRAINING_GRAD_TOL,
-                                                     atol=tolerance.TRAINING_GRAD_TOL) for p in params))
+        record.step(loss.item() / mesh.dp_size, {n: p.grad for n, p in mine.items()})
         optimizer.step()
         optimizer.zero_grad()
-    out["weight_error"] = max(max_diff(p, reference["weights"][names[p]]) for p in params)
+    out["lockstep"] = record.finish(mine)
     ends = [s.embed.weight for s in stages if s.is_first] + [s.lm_head.weight for s in stages if s.is_last]
     out["tied copy"] = ends[0].detach().clone() if ends else None          # this rank's copy of the tied matrix
     return out
@@ -304,10 +303,10 @@ def against_torch(mesh, step, config, dataset, batch: int, m: int, roundings: in
     return out
 
 
-def prove(layouts: dict, schedule_for, step, config, dataset, batch: int, reference: dict, roundings: int,
-          torch_m: int) -> dict:
-    """On a rank, for each layout {pp: Mesh sizes}: every schedule `schedule_for(name, pp)` trained against one
-    process (train_pipeline), then our 1F1B against torch's (against_torch)."""
+def prove(layouts: dict, schedule_for, step, config, dataset, batch: int, reference: lockstep.Trace,
+          roundings: int, torch_m: int) -> dict:
+    """On a rank, for each layout {pp: Mesh sizes}: every schedule `schedule_for(name, pp)` trained against the
+    one-process Trace `reference` (train_pipeline), then our 1F1B against torch's (against_torch)."""
     out = {}
     for pp, sizes in layouts.items():
         mesh = Mesh(**sizes)
@@ -333,52 +332,25 @@ def _case(pp: int, name: str) -> str:
     return f"pp={pp}{' x dp=2' if pp == 2 else '':<7} {name}"
 
 
-def proof_rows(proof: list, reference: dict, cases) -> dict:
-    """One row per (pp, schedule), the worst over its ranks and steps: loss, gradient and weight errors, and
-    rank 0's messages of step 0."""
-    rows = {}
-    for pp, name in cases:
-        runs = [rank[pp][name] for rank in proof]
-        rows[pp, name] = {"loss": max(max(abs(a - b) for a, b in zip(r["loss"], reference["loss"])) for r in runs),
-                          "grad": max(max(r["grad_error"]) for r in runs),
-                          "weights": max(r["weight_error"] for r in runs), "rank 0 sent": runs[0]["counted"]}
-    return rows
+def whole_runs(proof: list, cases) -> dict:
+    """{(pp, schedule): its ranks' Locksteps as one over the whole model (lockstep.combine: at each step the worst
+    stage)}, for the table and picotron.lockstep's figure."""
+    return {(pp, name): lockstep.combine([rank[pp][name]["lockstep"] for rank in proof]) for pp, name in cases}
 
 
-def show_proof(rows: dict, proof: list) -> None:
-    """The proof's full table: every case against one process, then ours against torch's Schedule1F1B."""
+def show_proof(runs: dict, proof: list) -> None:
+    """The proof's full table: every case against one process (the worst over its ranks and steps) and rank 0's
+    messages of step 0, then ours against torch's Schedule1F1B."""
     print(f"{'case':<24}{'loss error':>11}{'grad error':>12}{'weight error':>14}   rank 0 sent in one step")
-    for (pp, name), row in rows.items():
-        print(f"{_case(pp, name):<24}{row['loss']:>11.1e}{row['grad']:>12.1e}{row['weights']:>14.1e}   "
-              f"{row['rank 0 sent']}")
+    for (pp, name), run in runs.items():
+        print(f"{_case(pp, name):<24}{max(run.loss_diff):>11.1e}{max(run.grad_diff):>12.1e}{run.weight_diff:>14.1e}   "
+              f"{proof[0][pp][name]['counted']}")
     for pp in proof[0]:
-        runs = [rank[pp]["torch"] for rank in proof]
-        loss = max(e for r in runs for e in r["loss"])
-        grads = max(g.error for r in runs for g in r["grads"])
-        print(f"pp={pp}: ours vs torch's Schedule1F1B, {len(runs[0]['grads'])} steps: loss {loss:.1e}, gradients "
-              f"{grads:.1e}, weights {max(r['weights'] for r in runs):.1e}")
-
-
-def proof_figure(reference: dict, proof: list, cases, tolerance_: float = tolerance.TRAINING_GRAD_TOL) -> None:
-    """Left: every schedule's loss on the one-process curve. Right: rank 0's largest gradient difference per step."""
-    import matplotlib.pyplot as plt
-    fig, (ax_loss, ax_err) = plt.subplots(1, 2, figsize=(12, 4))
-    ax_loss.plot(reference["loss"], "k-", lw=5, alpha=0.25, label="one process")
-    steps = len(reference["loss"])
-    for i, (pp, name) in enumerate(cases):
-        result = proof[0][pp][name]
-        style = dict(color=f"C{i % 5}", ms=3, label=f"pp={pp}{' x dp=2' if pp == 2 else ''}, {name}")
-        ax_loss.plot(np.arange(steps) + (0.15 if pp == 2 else 0), result["loss"], "o" if pp == 4 else "s", **style)
-        ax_err.semilogy(np.maximum(result["grad_error"], 1e-10), ("-" if pp == 4 else "--") + "o", **style)
-    ax_err.axhline(tolerance_, color="C3", ls=":", lw=1.5, label=f"tolerance {tolerance_:g}")
-    ax_loss.set(xlabel="step", ylabel="loss (nats per token)", title="Loss: every schedule vs one process")
-    ax_err.set(xlabel="step", ylabel="max |gradient difference| (rank 0)", title="Gradients vs one process, every step")
-    ax_loss.legend(fontsize=6.5, ncol=2)
-    ax_err.legend(fontsize=6.5, ncol=2, loc="lower right")
-    caption(fig, "Left: every schedule, at pp = 4 and at pp = 2 with two data-parallel replicas, lies on the "
-            "one-process loss curve. Right: their gradients differ from one process's by float32 round-off only "
-            f"(summing micro-batches in another order), far under the tolerance, for all {steps} steps.")
-    plt.show()
+        pairs = [rank[pp]["torch"] for rank in proof]
+        loss = max(e for r in pairs for e in r["loss"])
+        grads = max(g.error for r in pairs for g in r["grads"])
+        print(f"pp={pp}: ours vs torch's Schedule1F1B, {len(pairs[0]['grads'])} steps: loss {loss:.1e}, gradients "
+              f"{grads:.1e}, weights {max(r['weights'] for r in pairs):.1e}")
 
 
 # ---- section 4: stages that wait, and the real model, timed on ranks ------------------------------

@@ -15,8 +15,8 @@ times or draws lives here:
     split_layer_vs_plain, tp_layer_and_tiny        that layer split over the ranks, TP or TP+SP (2.2, 2.4)
     vocab_parallel                                 the embedding and the loss split by vocabulary (2.3)
     one_tp_step                                    a whole model, one training step (2.5)
-    train, dtensor_plan, layer_vs_dtensor, prove   20 steps against one process; one layer against DTensor (3)
-    proof_figure                                   their losses and gradient differences
+    train, dtensor_plan, layer_vs_dtensor, prove   20 steps against one process (picotron.lockstep, whose
+                                                   figure the chapter draws); one layer against DTensor (3)
     measure, layer_saved_bytes                     collectives and saved activations, counted (4)
     comm_figure, activations_figure                bytes on the wire (4.1); activations per rank (4.2)
     rank_share, step_times, time_alone             step times on ranks and one rank's compute alone (4.3)
@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from picotron import comm, tolerance
+from picotron import comm, lockstep, tolerance
 from picotron.config import ModelConfig
 from picotron.data import DataLoader
 from picotron.launch import backend_for, device
@@ -383,43 +383,33 @@ def one_tp_step(setup: Setup, sequence_parallel: bool):
 
 
 # ---- 3. prove it right -----------------------------------------------------------------------------
-def train(setup: Setup, steps: int, sequence_parallel: bool | None = None, reference: dict | None = None) -> dict:
-    """`steps` AdamW steps in one process (sequence_parallel=None), or this rank of a TP model compared with
-    `reference` every step: the loss, the largest gathered-gradient difference and whether all are within
-    rtol = atol = tolerance.TRAINING_GRAD_TOL; after the steps, the weights (one process) or their largest
-    difference, and the replicated norm weights (TP)."""
+def train(setup: Setup, steps: int, sequence_parallel: bool | None = None, reference=None):
+    """`steps` AdamW steps in one process (sequence_parallel=None): its picotron.lockstep Trace. Or this rank
+    of a TP model, compared with that one-process `reference` every step (loss, gathered gradients; gathered
+    weights at the end): its Lockstep, and its replicated weights (the RMSNorm weights) to compare across ranks."""
     model, mesh = setup.new_model(), None
     if sequence_parallel is not None:
         mesh = Mesh(tp=dist.get_world_size())
         apply_tensor_parallel(model, mesh, sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    out = {"loss": [], "grad_error": [], "grads_close": [], "grads": []}
-    tol = tolerance.TRAINING_GRAD_TOL
+    record = lockstep.Recorder(reference)
     for step in range(steps):
         batch = setup.get_batch(step)                      # the same batches on every tp rank
         logits = model(batch.input_ids)
         if mesh is None:
             loss = loss_fn(logits, batch.targets)
+            loss.backward()
+            record.step(loss, {n: p.grad for n, p in model.named_parameters()})
         else:
             loss = vocab_parallel_cross_entropy(logits, batch.targets, mesh.tp_group)
-        loss.backward()
-        out["loss"].append(loss.item())
-        if mesh is None:
-            out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        else:
-            full, ref = gather_gradients(model, mesh.tp_group), reference["grads"][step]
-            out["grad_error"].append(max(max_diff(full[n], ref[n]) for n in ref))
-            out["grads_close"].append(all(torch.allclose(full[n], ref[n], rtol=tol, atol=tol) for n in ref))
+            loss.backward()
+            record.step(loss, gather_gradients(model, mesh.tp_group))
         optimizer.step()
         optimizer.zero_grad()
     if mesh is None:
-        out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    else:
-        full = gather_parameters(model, mesh.tp_group)
-        out["weight_error"] = max(max_diff(full[n], reference["weights"][n]) for n in full)
-        out["norm weights"] = {n: p.detach().clone() for n, p in model.named_parameters() if "norm" in n}
-        del out["grads"]
-    return out
+        return record.finish(dict(model.named_parameters()))
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "tp_shard_dim")}
+    return record.finish(gather_parameters(model, mesh.tp_group)), replicated
 
 
 def dtensor_plan(sequence_parallel: bool) -> dict:
@@ -467,32 +457,12 @@ def layer_vs_dtensor(setup: Setup, sequence_parallel: bool) -> dict:
     return out
 
 
-def prove(setup: Setup, steps: int, reference: dict) -> dict:
-    """On a rank: `steps` training steps under TP and TP+SP against `reference`, and one layer against DTensor."""
+def prove(setup: Setup, steps: int, reference) -> dict:
+    """On a rank: `steps` training steps under TP and TP+SP against the one-process Trace `reference` (train's
+    (Lockstep, replicated weights) by mode name), and one layer against DTensor (by ("DTensor", mode name))."""
     out = {name: train(setup, steps, sp, reference) for name, sp in MODES}
     out |= {("DTensor", name): layer_vs_dtensor(setup, sp) for name, sp in MODES}
     return out
-
-
-def proof_figure(reference: dict, proof: dict, cases: list, steps: int) -> None:
-    """Left: rank 0's loss in every case on the one-process curve; right: its gradient difference, every step."""
-    import matplotlib.pyplot as plt
-    fig, (ax_loss, ax_err) = plt.subplots(1, 2, figsize=(11, 3.8))
-    ax_loss.plot(reference["loss"], "k-", lw=4, alpha=0.25, label="one process")
-    for i, (tp, name) in enumerate(cases):
-        result = proof[tp][0][name]
-        ax_loss.plot(result["loss"], "o", ms=3, color=f"C{i}", label=f"tp={tp}, {name}")
-        ax_err.semilogy(np.maximum(result["grad_error"], 1e-10), "o-", ms=3, color=f"C{i}", label=f"tp={tp}, {name}")
-    ax_err.axhline(tolerance.TRAINING_GRAD_TOL, color="C3", ls=":", lw=1.5,
-                   label=f"tolerance {tolerance.TRAINING_GRAD_TOL:g}")
-    ax_loss.set(xlabel="step", ylabel="loss (nats per token)", title="Loss: tensor-parallel vs one process")
-    ax_err.set(xlabel="step", ylabel="max |gradient difference|",
-               title="Gathered gradients vs one process, every step")
-    ax_loss.legend(fontsize=7)
-    ax_err.legend(fontsize=7, loc="lower right", ncol=2)
-    caption(fig, "Left: every tensor-parallel run lies on the one-process loss curve. Right: the largest gradient "
-            f"difference stays at float32 round-off, well under the tolerance, for {steps} steps.")
-    plt.show()
 
 
 # ---- 4. measure it ---------------------------------------------------------------------------------

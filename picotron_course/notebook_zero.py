@@ -13,8 +13,7 @@ draws lives here:
     zero1_against_dp(new_model, ...)              ZeroOptimizer(stage=1) and DataParallel side by side
     stages_2_and_3_at_work(new_model, ...)        one step of ZeRO-2 and of ZeRO-3 (prefetch on, off), recorded
     zero3_timeline_figure(watched)                ZeRO-3's gathers and frees in order, as bars
-    prove(steps, variants, new_model, ...)        every variant in lockstep with one process, 20 steps
-    proof_figure(proof, variants, world)          their losses and gradient differences
+    prove(steps, variants, new_model, ...)        every variant in lockstep with one process (picotron.lockstep)
     measure(model, odd, seq, peak_batch, ...)     state bytes, payloads and the peak of one step, per stage
     padding_elements(numels, world, stage)        the zeros that pad flat groups to a multiple of N
     state_bytes_figure(...), comm_figure(...)     the measured bytes per rank and bytes sent
@@ -28,8 +27,8 @@ draws lives here:
     memory_bar(ax, ...), stage_bars_figure(...), explorer(...)   memory per GPU from the formulas
 
 The functions that run on ranks take the chapter's own `new_model`, `loader` and `adamw` as
-arguments (they travel to the ranks by value). Generic helpers (caption, sync, max_diff,
-slowest_median) come from picotron_course.notebook.
+arguments (they travel to the ranks by value). Generic helpers (caption, sync, slowest_median) come from
+picotron_course.notebook.
 """
 
 from __future__ import annotations
@@ -45,9 +44,10 @@ import torch
 import torch.distributed as dist
 from matplotlib.patches import Patch, Rectangle
 
-from picotron import comm, memory_tracking, tolerance
+from picotron import comm, memory_tracking
 from picotron.config import ModelConfig, ParallelConfig, TrainConfig
 from picotron.launch import device
+from picotron.lockstep import Recorder, Trace
 from picotron.memory import GiB, estimate_memory
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
@@ -55,7 +55,7 @@ from picotron.parallel.data_parallel import DataParallel
 from picotron.parallel.hsdp import hsdp_groups
 from picotron.parallel.zero import ZeroOptimizer, ring_bytes
 from picotron.parallel.zero3 import Zero3
-from picotron_course.notebook import caption, max_diff, slowest_median, sync
+from picotron_course.notebook import caption, slowest_median, sync
 
 MiB = 2**20
 STAGE_NAMES = ("stage 0 (DP)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -304,60 +304,43 @@ class Trainer:
 
 
 def prove(steps: int, variants: dict, new_model, loader, adamw, bucket_mb: float) -> dict:
-    """On a rank: every variant ({name: Trainer keywords}) trains `steps` AdamW steps; rank 0 also trains
-    one process on the whole global batch. Per variant: the global loss per step, on rank 0 the largest
-    difference of its averaged gradient from one process's and whether every gradient is within
-    rtol = atol = tolerance.TRAINING_GRAD_TOL, its weights (rank 0) and how far this replica's weights
-    are from rank 0's."""
+    """On a rank: every variant ({name: Trainer keywords}) trains `steps` AdamW steps in lockstep with one process
+    on the whole global batch, which rank 0 trains beside them (picotron.lockstep). Returns
+    "lockstep": {name: Lockstep against one process}: on every rank each step's global loss (rank 0 broadcasts
+        the one process's), on rank 0 also each step's averaged gradients and the final weights;
+    "one process": its losses (a Trace);
+    "runs": {name: its losses and final weights (a Trace)} on rank 0, to compare two variants;
+    "replica_diff": {name: the largest difference of this replica's weights from rank 0's}."""
     mesh = Mesh(dp=dist.get_world_size())
     common = dict(new_model=new_model, loader=loader, adamw=adamw, bucket_mb=bucket_mb)
     trainers = {name: Trainer(mesh, **spec, **common) for name, spec in variants.items()}
-    reference = Trainer(mesh, "one process", **common) if mesh.rank == 0 else None
-    out = {name: {"loss": [], "grad_error": [], "grads_close": []} for name in [*variants, "one process"]}
+    one = Trainer(mesh, "one process", **common) if mesh.rank == 0 else None
+    reference = Recorder()                                   # rank 0: losses and gradients; elsewhere the losses
+    records = {name: Recorder(reference.trace, grads=spec["kind"] != "fsdp")   # FSDP2's stay sharded
+               for name, spec in variants.items()}
     for step in range(steps):
-        if reference is not None:
-            out["one process"]["loss"].append(reference.backward(step))
-            expected = reference.gradients()
+        loss = torch.tensor(one.backward(step) if one else 0.0, dtype=torch.float64, device=device())
+        dist.broadcast(loss, src=0)                          # every rank compares its loss with one process's
+        reference.step(loss, one.gradients() if one else None)
         for name, trainer in trainers.items():
-            out[name]["loss"].append(trainer.backward(step))
-            grads = trainer.gradients()                      # on every rank: ZeRO gathers them
-            if reference is not None and grads is not None:
-                out[name]["grad_error"].append(max_diff(grads, expected))
-                tol = tolerance.TRAINING_GRAD_TOL
-                out[name]["grads_close"].append(all(torch.allclose(grads[n], expected[n], rtol=tol, atol=tol)
-                                                    for n in expected))
+            loss = trainer.backward(step)
+            records[name].step(loss, trainer.gradients())    # on every rank: ZeRO gathers them (a collective)
             trainer.optimizer.step()
-        if reference is not None:
-            reference.optimizer.step()
+        if one:
+            one.optimizer.step()
+        reference.trace.grads[step] = None                   # compared by every variant: free them
+    reference.finish(one.weights() if one else None)
+    out = {"one process": Trace(loss=reference.trace.loss), "lockstep": {}, "runs": {}, "replica_diff": {}}
     for name, trainer in trainers.items():
         weights = trainer.weights()
+        out["lockstep"][name] = records[name].finish(weights)
         flat = torch.cat([w.flatten() for w in weights.values()])
         rank0 = flat.clone()
         dist.broadcast(rank0, src=0)                         # every replica must hold rank 0's weights exactly
-        out[name]["replica_diff"] = (flat - rank0).abs().max().item()
-        out[name]["weights"] = weights if mesh.rank == 0 else None
-    if reference is not None:
-        out["one process"]["weights"] = reference.weights()
+        out["replica_diff"][name] = (flat - rank0).abs().max().item()
+        if mesh.rank == 0:
+            out["runs"][name] = Trace(loss=out["lockstep"][name].loss, weights=weights)
     return out
-
-
-def proof_figure(proof: list, variants: dict, world: int) -> None:
-    """Left: every variant's loss on the one-process curve; right: the gradient difference per step."""
-    rank0, reference = proof[0], proof[0]["one process"]
-    fig, (ax_loss, ax_err) = plt.subplots(1, 2, figsize=(11, 3.8))
-    ax_loss.plot(reference["loss"], "k-", lw=5, alpha=0.25, label="one process")
-    for i, name in enumerate(variants):
-        ax_loss.plot(rank0[name]["loss"], "o", ms=3, color=f"C{i}", label=name)
-        if rank0[name]["grad_error"]:
-            ax_err.semilogy(np.maximum(rank0[name]["grad_error"], 1e-10), "o-", ms=3, color=f"C{i}", label=name)
-    ax_err.axhline(1e-5, color="C3", ls=":", lw=1.5, label="tolerance 1e-5")
-    ax_loss.set(xlabel="step", ylabel="loss (nats per token)", title=f"Loss: {world} ranks vs one process")
-    ax_err.set(xlabel="step", ylabel="max |gradient difference|", title="Averaged gradient vs one process, every step")
-    ax_loss.legend(fontsize=7)
-    ax_err.legend(fontsize=7, loc="lower right", ncol=2)
-    caption(fig, "Left: every stage, and FSDP2, lies on the one-process loss curve. Right: the gradient each optimizer "
-            "sees differs from one process's by float32 round-off only, far under the tolerance.")
-    plt.show()
 
 
 # ---- 4. measure it ---------------------------------------------------------------------------------------
@@ -679,13 +662,14 @@ def hsdp_and_compute_dtype(new_model, loader, adamw, steps: int, shard_size: int
     (over all the ranks, fp32 masters, compute_dtype=torch.bfloat16). Rank 0 also trains, in lockstep, one
     process on the whole batch in fp32 ("one process") and one running the bf16 recipe (OneProcessComputeDtype).
 
-    Per ZeRO-3: the global loss per step; on rank 0 each step's largest gradient difference from its reference
-    (fp32 for HSDP, the bf16 recipe for bf16), whether all are within rtol = atol = TRAINING_GRAD_TOL, and the
-    first step's comparison by tolerance's policy (equal weights: rounding alone); the payload per collective of
-    step 0 ({op: (calls, bytes)}); state_bytes(), numels, peak_gathered_bytes, the dtypes of (master shard,
-    gradient shard, gathered buffer); the weights (rank 0) and this replica's largest difference from rank 0's.
-    Also this rank's groups, and one unit's master shard all-gathered in fp32 then cast to bf16 against cast
-    then all-gathered in bf16 (equal? and the two payloads)."""
+    Per ZeRO-3: its Lockstep against its reference (picotron.lockstep): on every rank each step's global loss
+    (rank 0 broadcasts the references'), on rank 0 also each step's gradients (the first step's, from equal
+    weights, against the rounding of the fp32 sum over the ranks) and the final weights; the payload per
+    collective of step 0 ({op: (calls, bytes)}); state_bytes(), numels, peak_gathered_bytes, the dtypes of (master
+    shard, gradient shard, gathered buffer); this replica's largest difference from rank 0's weights. The
+    references' losses ("one process", "bf16 recipe": Traces). Also this rank's groups, and one unit's master
+    shard all-gathered in fp32 then cast to bf16 against cast then all-gathered in bf16 (equal? and the two
+    payloads)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     shard_group, replicate_group = hsdp_groups(shard_size)
     models = {"HSDP": new_model(), "bf16": new_model()}
@@ -698,20 +682,24 @@ def hsdp_and_compute_dtype(new_model, loader, adamw, steps: int, shard_size: int
         references = {"HSDP": (one, adamw(one.parameters())),
                       "bf16": OneProcessComputeDtype(new_model, adamw, torch.bfloat16, world)}
         whole = loader(0, 1)
-    out = {name: dict(loss=[], grad_error=[], grads_close=[], comm=None) for name in zeros}
-    out["one process"], out["bf16 recipe"] = dict(loss=[]), dict(loss=[])
+    traces = {"HSDP": Recorder(), "bf16": Recorder()}        # rank 0: losses and gradients; elsewhere the losses
+    records = {name: Recorder(traces[name].trace, first_step_n=world) for name in zeros}   # the fp32 sum over N
+    out = {name: dict(comm=None) for name in zeros}
     for step in range(steps):
-        expected = {}
-        if rank == 0:                                          # the references' gradients of this step
+        losses, expected = torch.zeros(2, dtype=torch.float64, device=device()), {"HSDP": None, "bf16": None}
+        if rank == 0:                                          # the references' step
             batch = whole.get_batch(step).to(device())
             model, optimizer = references["HSDP"]
             optimizer.zero_grad()
             loss = loss_fn(model(batch.input_ids), batch.targets)
             loss.backward()
-            out["one process"]["loss"].append(loss.item())
+            losses[0] = loss.item()
             expected["HSDP"] = {n: p.grad for n, p in model.named_parameters()}
-            out["bf16 recipe"]["loss"].append(references["bf16"].backward(batch))
+            losses[1] = references["bf16"].backward(batch)
             expected["bf16"] = {n: p.grad for n, p in references["bf16"].master.named_parameters()}
+        dist.broadcast(losses, src=0)                          # every rank compares its losses with theirs
+        for loss, (name, trace) in zip(losses, traces.items()):
+            trace.step(loss, expected[name])
         batch = data.get_batch(step).to(device())
         for name, zero in zeros.items():
             counter = comm.CommCounter()
@@ -728,30 +716,26 @@ def hsdp_and_compute_dtype(new_model, loader, adamw, steps: int, shard_size: int
                 out[name]["comm"] = counter.snapshot()
             loss = loss.detach()
             dist.all_reduce(loss)                              # the global loss, for the comparison only
-            out[name]["loss"].append(loss.item() / world)
-            if rank == 0:
-                want = expected[name]
-                out[name]["grad_error"].append(max_diff(grads, want))
-                tol = tolerance.TRAINING_GRAD_TOL
-                out[name]["grads_close"].append(all(torch.allclose(grads[n], want[n], rtol=tol, atol=tol)
-                                                    for n in want))
-                if step == 0:                                  # from equal weights: the fp32 sum over the ranks
-                    out[name]["first_grads"] = tolerance.compare_all(grads, want, n=world, dtype=torch.float32)
+            records[name].step(loss.item() / world, grads)
         if rank == 0:
             references["HSDP"][1].step()
             references["bf16"].step()
+        for trace in traces.values():
+            trace.trace.grads[step] = None                     # compared by its ZeRO-3: free them
+    traces["HSDP"].finish({n: p.detach().clone() for n, p in references["HSDP"][0].named_parameters()}
+                          if rank == 0 else None)
+    traces["bf16"].finish({n: p.detach().clone() for n, p in references["bf16"].master.named_parameters()}
+                          if rank == 0 else None)
+    out["one process"], out["bf16 recipe"] = (Trace(loss=trace.trace.loss) for trace in traces.values())
     for name, zero in zeros.items():
         weights = zero.gather_parameters()
         flat = torch.cat([w.flatten() for w in weights.values()])
         rank0 = flat.clone()
         dist.broadcast(rank0, src=0)                           # every replica must hold rank 0's weights exactly
         g = zero.groups[0]
-        out[name].update(replica_diff=(flat - rank0).abs().max().item(), weights=weights if rank == 0 else None,
+        out[name].update(lockstep=records[name].finish(weights), replica_diff=(flat - rank0).abs().max().item(),
                          state=zero.state_bytes(), numels=zero.numels, peak_gathered=zero.peak_gathered_bytes,
                          dtypes=(g.master.dtype, g.grad.dtype, g.full.dtype))
-    if rank == 0:
-        out["one process"]["weights"] = {n: p.detach().clone() for n, p in references["HSDP"][0].named_parameters()}
-        out["bf16 recipe"]["weights"] = {n: p.detach().clone() for n, p in references["bf16"].master.named_parameters()}
     shard = zeros["bf16"].groups[1].shard                      # a layer's fp32 master shard, S elements
     with comm.counting() as in_fp32:
         gathered = shard.new_empty(world * shard.numel())

@@ -18,6 +18,7 @@ from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
+from picotron.lockstep import Recorder, Trace
 from picotron.mesh import Mesh
 from picotron.parallel.tensor_parallel import check_tensor_parallel
 from picotron.model import MoE, Llama, expert_capacity, load_balancing_loss, loss_fn, route
@@ -25,7 +26,7 @@ from picotron.parallel.expert_parallel import (
     ExpertParallelGroups, ExpertParallelMoE, apply_expert_parallel, average_gradients, check_expert_parallel,
     expert_parallel_groups)
 from picotron.parallel.expert_parallel_costs import ep_comm_bytes, ep_comm_per_layer
-from picotron.tolerance import assert_close, compare, compare_all
+from picotron.tolerance import TRAINING_GRAD_TOL, assert_close, compare, compare_all
 
 # 8 experts: 4 per rank at ep=2, 2 at ep=4. A strong balancing loss, so that its gradient matters.
 CONFIG = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
@@ -57,11 +58,6 @@ def dataset() -> TokenDataset:
 
 def grads_of(module: torch.nn.Module) -> dict:
     return {n: p.grad.clone() for n, p in module.named_parameters()}
-
-
-def max_diff(ours: dict, reference: dict) -> float:
-    """Largest absolute difference over the tensors `ours` has (an EP rank has only its experts)."""
-    return max((ours[n] - reference[n]).abs().max().item() for n in ours)
 
 
 # ---- one MoE layer: ep ranks vs one device ---------------------------------------------------------------
@@ -132,8 +128,15 @@ def capacity_layer() -> dict:
 
 
 # ---- 20 AdamW steps: dp = world ranks with expert parallelism vs one process on the global batch -------
-def train(dp: int, ep: int | None = None, reference: dict | None = None) -> dict:
-    """One process on dp ranks' worth of batch (ep=None), or this rank of dp ranks with ep-way EP."""
+def train(dp: int, ep: int | None = None, reference: Trace | None = None) -> tuple:
+    """One process on dp ranks' worth of batch (ep=None), or this rank of dp ranks with ep-way EP.
+
+    Returns the run's record (one process: its Trace; a rank: its Lockstep against `reference`, picotron.lockstep)
+    and what lockstep does not compare: each step's load per expert and aux loss, step 0's samples, the names of
+    the parameters held. An EP rank holds whole tensors under the plain model's names (its experts and the
+    replicated rest), so nothing is gathered: it is held against the reference cut to those names, and the ranks
+    of an EP group together hold every expert.
+    """
     torch.manual_seed(SEED)
     model = Llama(CONFIG)
     with torch.no_grad():
@@ -146,8 +149,10 @@ def train(dp: int, ep: int | None = None, reference: dict | None = None) -> dict
         groups = expert_parallel_groups(mesh, ep)
         apply_expert_parallel(model, groups)
         loader = DataLoader(dataset(), BATCH, dp_rank=mesh.dp_rank, dp_size=dp)
+    held = dict(model.named_parameters())
+    record = Recorder(None if reference is None else reference.only(held))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    out = {"loss": [], "aux": [], "load": [], "grads": [], "grad_error": [], "samples": None}
+    out = {"aux": [], "load": [], "samples": None, "held": sorted(held)}
     for step in range(STEPS):
         batch = loader.get_batch(step)
         if step == 0:
@@ -160,23 +165,13 @@ def train(dp: int, ep: int | None = None, reference: dict | None = None) -> dict
             average_gradients(model, groups)
             dist.all_reduce(losses)      # the global batch's loss is the mean over the dp ranks
             losses /= dp
-        out["loss"].append(losses.sum().item())
+        record.step(losses.sum(), {n: p.grad for n, p in held.items()})
         out["aux"].append(losses[1].item())
         out["load"].append([moe.last_load.tolist() for moe in model.moe_layers()])
-        if ep is None:
-            out["grads"].append(grads_of(model))
-        else:
-            out["grad_error"].append(max_diff(grads_of(model), reference["grads"][step]))
         optimizer.step()
         optimizer.zero_grad()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if ep is None:
-        out["weights"] = weights
-    else:
-        out["weight_error"] = max_diff(weights, reference["weights"])
-        out["local experts"] = len(model.moe_layers()[0].experts)
-        out.pop("grads")
-    return out
+    out["local experts"] = len(model.moe_layers()[0].experts)
+    return record.finish(held), out
 
 
 def bad_ep() -> str:
@@ -188,6 +183,7 @@ def bad_ep() -> str:
 
 
 def all_cases(references: dict) -> dict:
+    """On a rank: the two layer cases, a training run per ep size against the one-process Trace, the error."""
     world = dist.get_world_size()
     out = {"dropless": dropless_layer(), "capacity": capacity_layer()}
     for ep in TRAIN_CASES[world]:
@@ -199,14 +195,15 @@ def all_cases(references: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process() -> dict:
-    """Single-process training on the global batch of 2 and of 4 ranks; one thread, like each rank."""
+    """Single-process training on the global batch of 2 and of 4 ranks: {dp: (Trace, facts)}; one thread."""
     with one_thread():   # like each rank
         return {dp: train(dp) for dp in TRAIN_CASES}
 
 
 @pytest.fixture(scope="module")
 def launches(one_process) -> dict:
-    return {world: run(all_cases, world, args=(one_process,), timeout=300) for world in TRAIN_CASES}
+    traces = {dp: trace for dp, (trace, _) in one_process.items()}    # the ranks need only the Traces
+    return {world: run(all_cases, world, args=(traces,), timeout=300) for world in TRAIN_CASES}
 
 
 @pytest.mark.parametrize("ep", [2, 4])
@@ -233,17 +230,19 @@ def test_capacity_drops_what_one_device_drops(ep, launches):
 
 @pytest.mark.parametrize("world, ep", [(2, 2), (4, 4), (4, 2)], ids=["dp2-ep2", "dp4-ep4", "dp4-ep2"])
 def test_training_equals_one_process(world, ep, launches, one_process):
-    reference = one_process[world]
+    reference, seen = one_process[world]
     ranks = [rank[("train", ep)] for rank in launches[world]]
-    for rank in ranks:
-        assert rank["local experts"] == E // ep
+    for rank, (result, facts) in enumerate(ranks):
+        # Every step: loss within 1e-5, this rank's gradients within rtol = atol = 1e-5; weights within 1e-4 at the end.
+        result.assert_equal(f"rank {rank} of dp={world}, ep={ep}")
+        assert max(result.grad_diff) < TRAINING_GRAD_TOL, result.grad_diff     # absolutely too, as before
+        assert facts["local experts"] == E // ep
         for step in range(STEPS):
-            assert rank["load"][step] == reference["load"][step], f"step {step}: a token took another expert"
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (step, rank["loss"][step])
-            assert rank["grad_error"][step] < 1e-5, (step, rank["grad_error"][step])
-        assert rank["weight_error"] < 1e-4                            # Adam amplifies summation-order differences
-    assert len({tuple(rank["samples"]) for rank in ranks}) == world   # every rank trained on its own data
-    assert reference["aux"][0] > 0 and reference["loss"][-1] < reference["loss"][0] - 0.5
+            assert facts["load"][step] == seen["load"][step], f"step {step}: a token took another expert"
+    for group in range(world // ep):   # an EP group's ranks hold every parameter of the model between them
+        assert set().union(*(ranks[group * ep + i][1]["held"] for i in range(ep))) == set(reference.weights)
+    assert len({tuple(facts["samples"]) for _, facts in ranks}) == world   # every rank trained on its own data
+    assert seen["aux"][0] > 0 and reference.loss[-1] < reference.loss[0] - 0.5
 
 
 @pytest.mark.parametrize("ep", [2, 4])

@@ -23,6 +23,7 @@ from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
 from picotron.launch import run
+from picotron.lockstep import Recorder, Trace
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import all_reduce_gradients
@@ -56,26 +57,25 @@ def adamw(params):
 
 
 # ---- one process: the reference ------------------------------------------------------------------------------
-def train_one_process(config: ModelConfig = CONFIG) -> dict:
+def train_one_process(config: ModelConfig = CONFIG) -> Trace:
+    """STEPS AdamW steps on the whole global batch: every step's loss and gradients, the final weights."""
     torch.manual_seed(0)
     model = Llama(config)
     optimizer = adamw(model.parameters())
     loader = DataLoader(dataset(), BATCH)
-    out = {"loss": [], "grads": []}
+    record = Recorder()
     for step in range(STEPS):
         batch = loader.get_batch(step)
         loss = loss_fn(model(batch.input_ids), batch.targets)
         loss.backward()
-        out["loss"].append(loss.item())
-        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        record.step(loss, {n: p.grad for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
-    out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    return record.finish(dict(model.named_parameters()))
 
 
 @pytest.fixture(scope="module")
-def one_process() -> dict:
+def one_process() -> Trace:
     with one_thread():   # like each rank
         return train_one_process()
 
@@ -102,17 +102,22 @@ def global_loss(result, mesh) -> float:
     return loss.item() / mesh.dp_size
 
 
-def train_pipeline(mesh: Mesh, name: str, num_microbatches: int, virtual: int, reference: dict) -> dict:
-    """STEPS steps of one schedule; every step's gradients compared with the reference here, in the rank."""
+def train_pipeline(mesh: Mesh, name: str, num_microbatches: int, virtual: int, reference: Trace) -> dict:
+    """STEPS steps of one schedule, compared with the one-process `reference` step by step here, in the rank
+    (picotron.lockstep): out["lockstep"]. A stage holds whole parameters, so nothing is gathered: this rank's
+    gradients and weights are held against the reference's of the same names (the tied matrix under
+    "embed.weight" on both its ends), and the ranks together cover the model."""
     torch.manual_seed(0)
     model = Llama(CONFIG)
     names = {p: n for n, p in model.named_parameters()}
     stages = build_stages(model, mesh.pp_rank, mesh.pp_size, virtual)
     params = stage_parameters(stages)
+    mine = {names[p]: p for p in params}
+    record = Recorder(reference.only(mine))   # the reference, cut to this rank's stages
     optimizer = adamw(params)
     schedule = make_schedule(name, mesh.pp_size, num_microbatches, virtual)
     loader = DataLoader(dataset(), BATCH // mesh.dp_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
-    out = {"loss": [], "grad_error": [], "grads_close": [], "samples": []}
+    out = {"samples": []}
     for step in range(STEPS):
         batch = loader.get_batch(step)
         ready, timeline = ([], Timeline()) if step == 0 else (None, None)
@@ -123,14 +128,11 @@ def train_pipeline(mesh: Mesh, name: str, num_microbatches: int, virtual: int, r
             out["ready"] = ready
             out["events"] = timeline.events
             out["peak"] = timeline.peak_activations
-        out["loss"].append(global_loss(result, mesh))
         out["samples"].append(batch.sample_ids.tolist())
-        grads = reference["grads"][step]
-        out["grad_error"].append(max((p.grad - grads[names[p]]).abs().max().item() for p in params))
-        out["grads_close"].append(all(torch.allclose(p.grad, grads[names[p]], rtol=1e-5, atol=1e-5) for p in params))
+        record.step(global_loss(result, mesh), {n: p.grad for n, p in mine.items()})
         optimizer.step()
         optimizer.zero_grad()
-    out["weight_error"] = max((p - reference["weights"][names[p]]).abs().max().item() for p in params)
+    out["lockstep"] = record.finish(mine)
     out["stages"] = [stage.index for stage in stages]
     ends = [s.embed.weight for s in stages if s.is_first] + [s.lm_head.weight for s in stages if s.is_last]
     out["tied copy"] = ends[0].detach().clone() if ends else None   # the embedding's copy on this rank
@@ -227,7 +229,7 @@ def sleeping_pipeline(mesh: Mesh) -> dict:
     return out
 
 
-def all_cases(reference: dict) -> dict:
+def all_cases(reference: Trace) -> dict:
     out = {}
     for pp, layout in LAYOUTS.items():
         mesh = Mesh(**layout)
@@ -250,12 +252,8 @@ CASES = [(pp, name) for pp in SCHEDULES for name in SCHEDULES[pp]]
 @pytest.mark.parametrize("pp, name", CASES, ids=[f"pp{pp}-{name}" for pp, name in CASES])
 def test_schedule_trains_like_one_process(pp, name, ranks, one_process):
     results = [rank[pp][name] for rank in ranks]
-    for step in range(STEPS):
-        for rank in results:
-            assert abs(rank["loss"][step] - one_process["loss"][step]) < 1e-5, (step, rank["loss"][step])
-            assert rank["grads_close"][step], f"step {step}: gradients differ by up to {rank['grad_error'][step]:.2e}"
-    for rank in results:   # Adam amplifies summation-order differences: 1e-4 after 20 steps
-        assert rank["weight_error"] < 1e-4
+    for rank, result in enumerate(results):   # every rank: the loss, its stages' gradients and weights, every step
+        result["lockstep"].assert_equal(f"rank {rank} of pp={pp}, {name}")
     copies = [rank["tied copy"] for rank in results if rank["tied copy"] is not None]
     assert len(copies) == 2 * (4 // pp)   # first and last stage of each pipeline: still one matrix
     for copy in copies:
@@ -265,7 +263,7 @@ def test_schedule_trains_like_one_process(pp, name, ranks, one_process):
     if pp == 2:   # the two dp replicas saw different halves of the batch, together the whole one
         by_dp = {rank[pp]["coords"]["dp"]: rank[pp][name]["samples"] for rank in ranks}
         assert all(set(by_dp[0][step]).isdisjoint(by_dp[1][step]) for step in range(STEPS))
-    assert one_process["loss"][-1] < one_process["loss"][0] - 0.5   # and it learned something
+    assert one_process.loss[-1] < one_process.loss[0] - 0.5   # and it learned something
 
 
 @pytest.mark.parametrize("pp", [4, 2])

@@ -4,9 +4,10 @@ its bytes per rank and its communication per step equal the formulas to the byte
 The main launch trains 20 steps on 4 ranks with each variant (plain DataParallel, stages 0-3,
 stage 2 with many buckets, stage 3 without prefetch and with full recomputation, gradient
 accumulation at stages 1-3, FSDP2, HSDP as 2 replicas x 2 shards at stages 1-3, ZeRO-3 and HSDP
-computing in bf16) and compares every step's loss and gradients with one process training on the
-same global batch (for bf16 compute, one process running the same recipe). The model has an odd
-hidden size, so no flat group divides evenly by 2 or 4 and the padding is exercised everywhere.
+computing in bf16) and compares every step's loss and gradients, and the final weights, with one process
+training on the same global batch (for bf16 compute, one process running the same recipe), in lockstep
+(picotron.lockstep), on every rank. The model has an odd hidden size, so no flat group divides evenly by 2
+or 4 and the padding is exercised everywhere.
 HSDP's and the compute dtype's bytes and errors: tests/test_hsdp.py.
 """
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from picotron import comm
+from picotron import comm, lockstep
 from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
 from picotron.data import DataLoader, TokenDataset, build_dataset
@@ -30,8 +31,7 @@ from picotron.parallel.data_parallel import DataParallel
 from picotron.parallel.hsdp import hsdp_groups
 from picotron.parallel.zero import ZeroOptimizer, ring_bytes, zero_comm_bytes, zero_state_bytes
 from picotron.parallel.zero3 import Zero3, llama_units
-from picotron.tolerance import (ADAM_WEIGHTS_ATOL, LOSS_ATOL, TRAINING_GRAD_TOL, compare,
-                                compare_all, llama_roundings)
+from picotron.tolerance import ADAM_WEIGHTS_ATOL, LOSS_ATOL, compare, compare_all, llama_roundings
 
 # Odd sizes: 33 hidden, 65 MLP, head_dim 8. Units of 8481 (embedding + final norm) and 8085 (a layer).
 ODD = ModelConfig(hidden_size=33, intermediate_size=65, num_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -150,9 +150,12 @@ def build(kind: str, stage, options: dict):
     return model, None
 
 
-def train_variant(variant: tuple, reference: dict | None = None) -> dict:
-    """STEPS steps of AdamW: the global loss each step, the gradient errors against `reference`
-    (rank 0), the weights at the end, the seconds of each step."""
+def train_variant(variant: tuple, reference: lockstep.Trace | None = None) -> tuple:
+    """STEPS steps of AdamW, recorded by picotron.lockstep: one process (no `reference`) gives its Trace; a rank
+    gives its Lockstep against `reference`: every step's global loss and gathered gradients (the first step's, from
+    equal weights, against the rounding of the fp32 sum over the ranks), the final weights. Beside it, what is
+    measured, not proven: the weights at the end (the replicas are compared with each other, variants with each
+    other), the seconds of each step and ZeRO-3's peak of gathered bytes."""
     kind, stage, accum, options = variant
     dp_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -162,7 +165,8 @@ def train_variant(variant: tuple, reference: dict | None = None) -> dict:
     kind = "zero" if pieces > 1 else kind                  # it has the ZeRO objects' methods
     optimizer = stepper if kind.startswith("zero") else adamw(model.parameters())
     loader = DataLoader(dataset(), MICRO_BATCH * DP // dp_size, dp_rank=rank, dp_size=dp_size)
-    out = {"loss": [], "grad_error": [], "grads_close": [], "seconds": [], "grads": []}
+    record = lockstep.Recorder(reference, first_step_n=dp_size, grads=kind != "fsdp")   # FSDP2's stay sharded
+    seconds = []
     for step in range(STEPS):
         start = time.perf_counter()
         optimizer.zero_grad()
@@ -177,48 +181,43 @@ def train_variant(variant: tuple, reference: dict | None = None) -> dict:
                     stepper.accumulate(pieces)
         if kind in ("zero", "zero3", "dp"):
             stepper.finish_gradient_sync()
-        seconds = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        # For the comparison only, not timed: the full gradients (FSDP2 keeps them sharded) and the global loss.
         grads = stepper.gather_gradients() if kind.startswith("zero") else \
-            {n: p.grad.clone() for n, p in model.named_parameters()} if kind in ("local", "dp") else None
+            {n: p.grad for n, p in model.named_parameters()} if kind in ("local", "dp") else None
+        if dist.is_initialized():
+            dist.all_reduce(step_loss)
+            step_loss /= dp_size
+        record.step(step_loss, grads)
         start = time.perf_counter()
         optimizer.step()
-        out["seconds"].append(seconds + time.perf_counter() - start)
-        if dist.is_initialized():
-            dist.all_reduce(step_loss)  # for the comparison only: not counted
-            step_loss /= dp_size
-        out["loss"].append(step_loss.item())
-        if reference is None:
-            out["grads"].append(grads)
-        elif grads is not None and rank == 0:
-            expected = reference["grads"][step]
-            out["grad_error"].append(max((grads[n] - expected[n]).abs().max().item() for n in expected))
-            out["grads_close"].append(all(torch.allclose(grads[n], expected[n], rtol=TRAINING_GRAD_TOL,
-                                                         atol=TRAINING_GRAD_TOL) for n in expected))
-            if step == 0:   # from equal weights: rounding alone, the sum over the ranks' gradients (fp32)
-                out["first_grads"] = compare_all(grads, expected, n=dp_size, dtype=torch.float32)
+        seconds.append(elapsed + time.perf_counter() - start)
     if kind.startswith("zero"):
-        out["weights"] = stepper.gather_parameters()
+        weights = stepper.gather_parameters()
     elif kind == "fsdp":
-        out["weights"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+        weights = {n: p.full_tensor() for n, p in model.named_parameters()}
     else:
-        out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if kind == "zero3":
-        out["peak_gathered_bytes"] = stepper.peak_gathered_bytes
-    return out
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    measured = {"weights": weights, "seconds": seconds,
+                "peak_gathered_bytes": stepper.peak_gathered_bytes if kind == "zero3" else None}
+    return record.finish(weights), measured
 
 
 def all_variants(references: dict) -> dict:
-    out = {name: train_variant(v, references[reference_key(v)]) for name, v in VARIANTS.items()}
-    for name in out:
-        out[name].pop("grads")
-    return out
+    return {name: train_variant(v, references[reference_key(v)]) for name, v in VARIANTS.items()}
+
+
+def as_trace(result: tuple) -> lockstep.Trace:
+    """A rank's run of one variant as a Trace, its losses and final weights: to compare two variants."""
+    proof, measured = result
+    return lockstep.Trace(loss=proof.loss, weights=measured["weights"])
 
 
 @pytest.fixture(scope="module")
 def one_process() -> dict:
     """The single-process runs, by reference_key; one thread, like each rank."""
     with one_thread():   # like each rank
-        return {(accum, dtype): train_variant(("local", None, accum, {"compute_dtype": dtype} if dtype else {}))
+        return {(accum, dtype): train_variant(("local", None, accum, {"compute_dtype": dtype} if dtype else {}))[0]
                 for accum, dtype in sorted({reference_key(v) for v in VARIANTS.values()}, key=str)}
 
 
@@ -227,64 +226,53 @@ def four_ranks(one_process) -> list[dict]:
     return run(all_variants, DP, args=(one_process,), timeout=300)
 
 
-def max_weight_error(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[n] - b[n]).abs().max().item() for n in a)
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_equals_one_process(name, four_ranks, one_process):
     reference = one_process[reference_key(VARIANTS[name])]
-    ranks = [rank[name] for rank in four_ranks]
-    for step in range(STEPS):
-        for rank in ranks:
-            assert abs(rank["loss"][step] - reference["loss"][step]) < LOSS_ATOL, (name, step, rank["loss"][step])
-    if VARIANTS[name][0] != "fsdp":   # FSDP2 keeps sharded gradients: its weights and losses are compared
-        assert len(ranks[0]["grads_close"]) == STEPS
-        assert ranks[0]["first_grads"], f"{name}, step 0: {ranks[0]['first_grads']}"
-        for step, close in enumerate(ranks[0]["grads_close"]):
-            assert close, f"{name}, step {step}: gradients differ by up to {ranks[0]['grad_error'][step]:.2e}"
-    for rank in ranks:  # Adam amplifies summation-order differences: 1e-4 after 20 steps
-        for n, weight in reference["weights"].items():
-            torch.testing.assert_close(rank["weights"][n], weight, rtol=ADAM_WEIGHTS_ATOL, atol=ADAM_WEIGHTS_ATOL,
-                                       msg=f"{name} {n}")
-        assert max_weight_error(rank["weights"], ranks[0]["weights"]) == 0  # replicas identical
-    assert reference["loss"][-1] < reference["loss"][0] - 0.5  # and it learned something
+    results, measured = zip(*[rank[name] for rank in four_ranks])
+    for rank, result in enumerate(results):   # every rank: the losses and gradients of every step, the weights
+        result.assert_equal(f"rank {rank}, {name}")
+        assert len(result.loss) == STEPS and result.weights_close is not None, name   # all of them compared
+        if VARIANTS[name][0] != "fsdp":   # FSDP2 keeps sharded gradients: its losses and weights are compared
+            assert None not in result.grads_close and result.first_step is not None, name
+    for m in measured:   # replicas identical
+        for n, weight in m["weights"].items():
+            torch.testing.assert_close(weight, measured[0]["weights"][n], rtol=0, atol=0, msg=f"{name} {n}")
+    assert reference.loss[-1] < reference.loss[0] - 0.5  # and it learned something
 
 
 @pytest.mark.parametrize("name", [n for n, v in VARIANTS.items()
                                   if v[2] == 1 and n != "DataParallel" and "compute_dtype" not in v[3]])
 def test_equals_plain_data_parallel(name, four_ranks):
-    ours, dp = four_ranks[0][name], four_ranks[0]["DataParallel"]
-    assert max(abs(a - b) for a, b in zip(ours["loss"], dp["loss"])) < 1e-5
-    assert max_weight_error(ours["weights"], dp["weights"]) < 1e-4
+    """Losses within LOSS_ATOL every step, weights within ADAM_WEIGHTS_ATOL after them (picotron.lockstep)."""
+    result = lockstep.compare(as_trace(four_ranks[0][name]), as_trace(four_ranks[0]["DataParallel"]))
+    assert result.ok and result.weights_close is not None, result.failures()
 
 
 def test_stage_3_equals_fsdp2(four_ranks):
-    ours, fsdp = four_ranks[0]["stage 3"], four_ranks[0]["FSDP2"]
-    assert max(abs(a - b) for a, b in zip(ours["loss"], fsdp["loss"])) < 1e-5
-    assert max_weight_error(ours["weights"], fsdp["weights"]) < 1e-4
+    result = lockstep.compare(as_trace(four_ranks[0]["stage 3"]), as_trace(four_ranks[0]["FSDP2"]))
+    assert result.ok and result.weights_close is not None, result.failures()
 
 
 @pytest.mark.parametrize("name", [n for n, v in VARIANTS.items() if "compute_dtype" in v[3]])
 def test_compute_dtype_computes_in_bf16(name, four_ranks, one_process):
     """The bf16 recipe is what the ranks ran: their losses agree with its one-process run (above) and differ
     from the fp32 one's by bf16 roundings, far more than two fp32 runs may (LOSS_ATOL)."""
-    ours, fp32 = four_ranks[0][name], one_process[1, None]
-    assert max(abs(a - b) for a, b in zip(ours["loss"], fp32["loss"])) > 10 * LOSS_ATOL
-    assert max_weight_error(ours["weights"], fp32["weights"]) > 10 * ADAM_WEIGHTS_ATOL
+    against_fp32 = lockstep.compare(as_trace(four_ranks[0][name]), one_process[1, None])
+    assert max(against_fp32.loss_diff) > 10 * LOSS_ATOL
+    assert against_fp32.weight_diff > 10 * ADAM_WEIGHTS_ATOL
     # bf16 gathers: half the bytes of the fp32 units held at once (the tied outer unit and two layers)
     padded = 8484 + 2 * 8088 if name.startswith("stage") else 8482 + 2 * 8086
-    assert four_ranks[0][name]["peak_gathered_bytes"] == 2 * padded
+    assert four_ranks[0][name][1]["peak_gathered_bytes"] == 2 * padded
 
 
 def test_prefetch_holds_one_more_unit(four_ranks):
     """Gathered at once, in fp32: the tied embedding's unit (from its first use in forward to its
     last in backward) and the current layer; with prefetch, the next layer too."""
     padded = {"outer": 4 * 8484, "layer": 4 * 8088}   # 8481 and 8085 rounded up to a multiple of 4
-    rank0 = four_ranks[0]
-    assert rank0["stage 3, no prefetch"]["peak_gathered_bytes"] == padded["outer"] + padded["layer"]
-    assert rank0["stage 3"]["peak_gathered_bytes"] == padded["outer"] + 2 * padded["layer"]
+    measured = {name: four_ranks[0][name][1] for name in ("stage 3", "stage 3, no prefetch")}
+    assert measured["stage 3, no prefetch"]["peak_gathered_bytes"] == padded["outer"] + padded["layer"]
+    assert measured["stage 3"]["peak_gathered_bytes"] == padded["outer"] + 2 * padded["layer"]
 
 
 # ---- bytes and communication, against the formulas ---------------------------------------------
