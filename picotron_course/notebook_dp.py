@@ -6,12 +6,13 @@ asserts and its one-line verdict. What only runs, records, times or draws lives 
 
     parts(dp, model)                              (module to call, no_sync, finish) of any gradient sync
     first_step(make, new_model, loader, n)        one step on a rank, checked against one process on rank 0
-    lockstep(variants, new_model, loader, ...)    every variant trained side by side with one process
+    prove(variants, new_model, loader, ...)       every variant in lockstep with one process (picotron.lockstep)
     step_times(variants, new_model, loader)       step times and waits, round-robin, on a rank
     times_of(per_rank, name, which)               one variant's times, rank by rank
     bytes_per_step(variants, new_model, loader)   all-reduce calls and bytes of one step, and a ring's sends
-    idea_figure, proof_figure, step_time_figure, trace_figure, sweep_figure, exposed_figure,
-    limits_figure                                 the chapter's figures, one function each
+    idea_figure, step_time_figure, trace_figure, sweep_figure, exposed_figure,
+    limits_figure                                 the chapter's figures, one function each (the proof's
+                                                  is picotron.lockstep's figure)
 
 A variant is `make(model) -> gradient sync`: None (no communication), torch's DistributedDataParallel,
 or an object with finish_gradient_sync() and, optionally, no_sync() (the chapter's classes, picotron's).
@@ -31,12 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from picotron import comm, tolerance
 from picotron.launch import device
+from picotron.lockstep import Recorder, Trace
 from picotron.model import loss_fn
 from picotron_course.notebook import caption, sync
 
-__all__ = ["parts", "first_step", "lockstep", "step_times", "times_of", "bytes_per_step",
-           "idea_figure", "proof_figure", "step_time_figure", "trace_figure", "sweep_figure", "exposed_figure",
-           "limits_figure"]
+__all__ = ["parts", "first_step", "prove", "step_times", "times_of", "bytes_per_step",
+           "idea_figure", "step_time_figure", "trace_figure", "sweep_figure", "exposed_figure", "limits_figure"]
 
 
 # ---- running the variants on ranks --------------------------------------------------------------
@@ -101,58 +102,71 @@ def _backward(replica: dict, step: int, world: int) -> float:
     return loss_sum.item()
 
 
-def _flat(model, what: str) -> torch.Tensor:
-    return torch.cat([(p.grad if what == "grads" else p.detach()).flatten() for p in model.parameters()])
+def _grads(model) -> dict:
+    return {n: p.grad for n, p in model.named_parameters()}
 
 
-def lockstep(variants: dict, new_model, loader, steps: int, accum: dict | None = None, pairs=(),
-             lr: float = 3e-3) -> dict:
-    """Train every variant side by side on this rank for `steps` AdamW steps; rank 0 also trains plain
-    models on the whole global batch (the one-process references, one per micro-batch count).
+def _weights(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def prove(variants: dict, new_model, loader, steps: int, accum: dict | None = None, pairs=(),
+          lr: float = 3e-3) -> dict:
+    """Train every variant side by side on this rank for `steps` AdamW steps, in lockstep with one process
+    (picotron.lockstep): rank 0 also trains plain models on the whole global batch, the one-process references
+    (one per micro-batch count), and broadcasts their losses, so that every rank compares every step's global
+    loss; rank 0 also compares each step's gradients after the sync, and the weights after the last step.
 
     variants: {name: make}; accum: {name: micro-batches per step} (1 if absent). Gradients are zeroed
-    in place (`zero_grad(set_to_none=False)`), which bucket views need. Returns, on rank 0, per variant:
-    every step's global "loss", "loss_error" and largest "grad_error" against the reference, whether
-    all gradients are within rtol = atol = tolerance.TRAINING_GRAD_TOL ("grads_close"), and the final
-    "weight_error"; on every rank, "replica_diff", the largest weight difference from rank 0's replica.
-    Per pair (a, b) of `pairs`, every step's largest gradient difference between variants a and b;
-    "reference loss".
+    in place (`zero_grad(set_to_none=False)`), which bucket views need. Returns
+    "lockstep": {name: its Lockstep against one process};
+    "one process": {micro-batches per step: that reference's losses (a Trace)};
+    "pairs": {(a, b): b's Lockstep against a, the two variants' losses, gradients and weights compared step by
+        step on every rank};
+    "replica_diff": {name: the largest difference of this replica's weights from rank 0's}.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     accum = accum or {}
+    counts = sorted({1, *accum.values()})
     replicas = {name: _replica(make, new_model, loader(rank, world), accum.get(name, 1), lr)
                 for name, make in variants.items()}
-    references = ({k: _replica(None, new_model, loader(0, 1), k, lr) for k in {1, *accum.values()}}
-                  if rank == 0 else {})
-    out = {name: {"loss": [], "loss_error": [], "grad_error": [], "grads_close": []} for name in variants}
-    out["reference loss"] = []
-    out.update({pair: [] for pair in pairs})
-    grad_tol = tolerance.TRAINING_GRAD_TOL
+    references = {k: _replica(None, new_model, loader(0, 1), k, lr) for k in counts} if rank == 0 else {}
+    traces = {k: Recorder() for k in counts}                          # rank 0: losses and gradients; else losses
+    records = {name: Recorder(traces[replica["accum"]].trace) for name, replica in replicas.items()}
+    kept = {a: Recorder() for a, _ in pairs}                          # a's own record, for b to be compared with
+    pair_records = {(a, b): Recorder(kept[a].trace) for a, b in pairs}
     for step in range(steps):
+        ref_losses = torch.tensor([_backward(references[k], step, 1) for k in counts] if rank == 0 else
+                                  [0.0] * len(counts), dtype=torch.float64, device=device())
+        dist.broadcast(ref_losses, src=0)                             # every rank compares its losses with them
+        for k, loss in zip(counts, ref_losses):
+            traces[k].step(loss, _grads(references[k]["model"]) if rank == 0 else None)
         losses = {name: _backward(replica, step, world) for name, replica in replicas.items()}
-        if rank == 0:
-            ref_losses = {k: _backward(ref, step, 1) for k, ref in references.items()}
-            out["reference loss"].append(ref_losses[1])
-            for name, replica in replicas.items():
-                mine, ref = _flat(replica["model"], "grads"), _flat(references[replica["accum"]]["model"], "grads")
-                out[name]["loss"].append(losses[name])
-                out[name]["loss_error"].append(abs(losses[name] - ref_losses[replica["accum"]]))
-                out[name]["grad_error"].append((mine - ref).abs().max().item())
-                out[name]["grads_close"].append(torch.allclose(mine, ref, rtol=grad_tol, atol=grad_tol))
-            for a, b in pairs:
-                diff = _flat(replicas[a]["model"], "grads") - _flat(replicas[b]["model"], "grads")
-                out[(a, b)].append(diff.abs().max().item())
+        for name, replica in replicas.items():                        # every rank holds the averaged gradients
+            records[name].step(losses[name], _grads(replica["model"]))
+            if name in kept:
+                kept[name].step(losses[name], _grads(replica["model"]))
+        for (_, b), record in pair_records.items():
+            record.step(losses[b], _grads(replicas[b]["model"]))
+        for recorder in [*traces.values(), *kept.values()]:
+            recorder.trace.grads[step] = None                         # compared by every variant: free them
         for replica in [*replicas.values(), *references.values()]:
             replica["optimizer"].step()
             replica["optimizer"].zero_grad(set_to_none=False)
-    for name, replica in replicas.items():
-        weights = _flat(replica["model"], "weights")
-        rank0 = weights.clone()
+    for k, trace in traces.items():
+        trace.finish(_weights(references[k]["model"]) if rank == 0 else None)
+    out = {"lockstep": {}, "one process": {k: Trace(loss=t.trace.loss) for k, t in traces.items()},
+           "replica_diff": {}}
+    weights = {name: _weights(replica["model"]) for name, replica in replicas.items()}
+    for name, recorder in kept.items():
+        recorder.finish(weights[name])
+    for name, record in records.items():
+        out["lockstep"][name] = record.finish(weights[name])
+        flat = torch.cat([w.flatten() for w in weights[name].values()])
+        rank0 = flat.clone()
         dist.broadcast(rank0, src=0)                                  # every replica must hold rank 0's weights
-        out[name]["replica_diff"] = (weights - rank0).abs().max().item()
-        if rank == 0:
-            ref = _flat(references[replica["accum"]]["model"], "weights")
-            out[name]["weight_error"] = (weights - ref).abs().max().item()
+        out["replica_diff"][name] = (flat - rank0).abs().max().item()
+    out["pairs"] = {(a, b): record.finish(weights[b]) for (a, b), record in pair_records.items()}
     return out
 
 
@@ -244,30 +258,6 @@ def idea_figure(world: int, sequences_per_rank: int) -> None:
         ax.spines[side].set_visible(False)
     caption(fig, "Each rank computes the gradient g_r of its own shard; one all-reduce averages them into the "
             "gradient of the whole batch, so every replica takes the same step.")
-    plt.show()
-
-
-def proof_figure(rank0: dict, names: list, accum: dict, pairs, world: int,
-                 grad_tol: float = tolerance.TRAINING_GRAD_TOL) -> None:
-    """Left: every variant's loss on the one-process curve; right: the largest gradient difference per step."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-    fig, (ax_loss, ax_err) = plt.subplots(1, 2, figsize=(13, 3.8))
-    ax_loss.plot(rank0["reference loss"], "k-", lw=4, alpha=0.25, label="one process")
-    for i, name in enumerate(names):
-        if accum.get(name, 1) == 1:                                   # accumulation trains on a larger batch
-            ax_loss.plot(rank0[name]["loss"], "o", ms=3, color=f"C{i}", label=name)
-        ax_err.semilogy(np.maximum(rank0[name]["grad_error"], 1e-10), "o-", ms=3, color=f"C{i}", label=name)
-    for style, (a, b) in zip(("k--", "k:"), pairs):
-        zero = " (0: drawn at 1e-10)" if max(rank0[(a, b)]) == 0 else ""
-        ax_err.semilogy(np.maximum(rank0[(a, b)], 1e-10), style, lw=1, label=f"{a} vs {b}{zero}")
-    ax_err.axhline(grad_tol, color="C3", ls=":", lw=1.5, label=f"tolerance {grad_tol:g}")
-    ax_loss.set(xlabel="step", ylabel="loss (nats per token)", title=f"Loss: {world} ranks vs one process")
-    ax_err.set(xlabel="step", ylabel="max |gradient difference|", title="Gradients vs one process, every step")
-    ax_loss.legend(fontsize=7)
-    ax_err.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))     # beside the curves, not on them
-    caption(fig, "Left: every variant's loss lies on the one-process curve. Right: the largest gradient difference stays "
-            "at float32 round-off, orders of magnitude under the tolerance; our buckets equal picotron's exactly.")
     plt.show()
 
 

@@ -3,7 +3,8 @@
 The core test trains 20 steps on 4 ranks with each variant (naive, flat, overlapped, bucketed
 with buckets smaller than a parameter up to one bucket, bucketed without overlap, gradient
 accumulation with no_sync, torch DDP), all in one launch, and compares every step's loss and
-gradients with one process training on the same global batch.
+gradients, and the final weights, with one process training on the same global batch, in lockstep
+(picotron.lockstep), on every rank.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from picotron import comm
+from picotron import comm, lockstep
 from picotron.comm import CommCounter
 from picotron.config import ModelConfig, TrainConfig
 from picotron_course.checks import one_thread
@@ -25,7 +26,7 @@ from picotron.launch import run
 from picotron.model import Llama, loss_fn
 from picotron.parallel.data_parallel import (DataParallel, all_reduce_each_gradient, all_reduce_gradients,
                                              assign_buckets, broadcast_parameters)
-from picotron.tolerance import TRAINING_GRAD_TOL, compare_all
+from picotron.tolerance import compare_all
 
 SMALL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_seq_len=32)
@@ -83,16 +84,22 @@ def dataset() -> TokenDataset:
     return build_dataset(TrainConfig(seq_len=SEQ))
 
 
-def train_variant(variant: tuple, counter: CommCounter | None = None) -> dict:
-    """Train STEPS steps of AdamW; return the loss (global mean), rank 0's gradients, samples seen.
+def train_variant(variant: tuple, reference: lockstep.Trace | None = None, counter: CommCounter | None = None,
+                  keep: bool = False) -> tuple:
+    """Train STEPS steps of AdamW, recorded by picotron.lockstep: every step's global loss and averaged gradients
+    (every rank holds them whole), the final weights. One process (no `reference`) gives its Trace; a rank gives
+    its Lockstep against `reference`, compared here in the rank: sending 20 steps of gradients back through the
+    launcher's pipe would cost more than training. Beside it, what is measured, not proven: the samples each step
+    saw, the calls per step, the weights (replicas are compared with each other), the buckets; with `keep`, the
+    run's own Trace, to compare two variants with each other.
 
     `counter`, if given, records every collective of the run (picotron.comm.counting).
     """
     with comm.counting(counter) if counter is not None else nullcontext():
-        return _train_variant(variant, counter)
+        return _train_variant(variant, reference, counter, keep)
 
 
-def _train_variant(variant: tuple, counter: CommCounter | None) -> dict:
+def _train_variant(variant: tuple, reference: lockstep.Trace | None, counter: CommCounter | None, keep: bool):
     sync, bucket_mb, overlap, accum = variant
     dp_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -105,7 +112,8 @@ def _train_variant(variant: tuple, counter: CommCounter | None) -> dict:
         wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     loader = DataLoader(dataset(), MICRO_BATCH * DP // dp_size, dp_rank=rank, dp_size=dp_size)
-    out = {"loss": [], "grads": [], "samples": [], "calls": []}
+    record, own = lockstep.Recorder(reference), lockstep.Recorder() if keep else None
+    measured = {"samples": [], "calls": []}
     for step in range(STEPS):
         step_loss, samples = torch.zeros(()), []
         before = counter.total_calls if counter else 0
@@ -124,88 +132,85 @@ def _train_variant(variant: tuple, counter: CommCounter | None) -> dict:
             all_reduce_gradients(model, dist.group.WORLD)
         elif sync == "dp":
             dp.finish_gradient_sync()
+        measured["calls"].append((counter.total_calls if counter else 0) - before)
         if dist.is_initialized():
             dist.all_reduce(step_loss)  # for the comparison only: not counted
             step_loss /= dp_size
-        out["loss"].append(step_loss.item())
-        out["samples"].append(samples)
-        out["calls"].append((counter.total_calls if counter else 0) - before)
-        if rank == 0:
-            out["grads"].append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        record.step(step_loss, grads)
+        if own:
+            own.step(step_loss, grads)
+        measured["samples"].append(samples)
         optimizer.step()
         optimizer.zero_grad()  # set_to_none: DataParallel must point .grad back into its buckets
-    out["weights"] = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    measured["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if dp:
-        out["buckets"] = len(dp.buckets)
-    return out
-
-
-def all_variants(references: dict) -> dict:
-    """Every variant on this rank. Rank 0 compares its gradients with the one-process run here, in
-    the rank (`references` travelled to it with the function): sending 20 steps of gradients back through the
-    launcher's pipe would cost more than training."""
-    out, grads = {}, {}
-    for name, variant in VARIANTS.items():
-        out[name] = train_variant(variant, CommCounter())
-        grads[name] = out[name].pop("grads")
-        if dist.get_rank() == 0:
-            reference = references[variant[3]]["grads"]
-            pairs = list(zip(grads[name], reference))
-            out[name]["grad_error"] = [(g - r).abs().max().item() for g, r in pairs]
-            out[name]["grads_close"] = [torch.allclose(g, r, rtol=1e-5, atol=1e-5) for g, r in pairs]
-    if dist.get_rank() == 0:  # ours against torch DDP, step by step: whether every step's gradients are close
-        out["vs DDP"] = {(ours, ddp): all(torch.allclose(a, b, rtol=TRAINING_GRAD_TOL, atol=TRAINING_GRAD_TOL)
-                                          for a, b in zip(grads[ours], grads[ddp])) for ours, ddp in DDP_PAIRS}
-    return out
+        measured["buckets"] = len(dp.buckets)
+    if own:
+        measured["trace"] = own.finish(measured["weights"])
+    return record.finish(measured["weights"]), measured
 
 
 DDP_PAIRS = [("bucketed 0.1 MiB", "torch DDP"), ("accumulation, no_sync", "torch DDP, no_sync")]
 
 
+def all_variants(references: dict) -> dict:
+    """Every variant on this rank, each against the one-process run of its micro-batch count (`references`
+    travelled to the rank with the function); and ours against torch DDP, both runs' records compared step by
+    step (picotron.lockstep.compare), here in the rank."""
+    kept = {name for pair in DDP_PAIRS for name in pair}
+    out = {name: train_variant(variant, references[variant[3]], CommCounter(), keep=name in kept)
+           for name, variant in VARIANTS.items()}
+    traces = {name: out[name][1].pop("trace") for name in kept}   # not sent back: 20 steps of gradients
+    out["vs DDP"] = {(ours, ddp): lockstep.compare(traces[ours], traces[ddp]) for ours, ddp in DDP_PAIRS}
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_process() -> dict:
-    """The single-process runs, by micro-batches per step; one thread, like each rank (and not
-    fighting the ranks of other tests for the cores)."""
+    """The single-process runs, by micro-batches per step: (Trace, measured); one thread, like each rank (and
+    not fighting the ranks of other tests for the cores)."""
     with one_thread():   # like each rank
         return {accum: train_variant(("local", None, False, accum)) for accum in (1, 2)}
 
 
 @pytest.fixture(scope="module")
 def four_ranks(one_process) -> list[dict]:
-    return run(all_variants, DP, args=(one_process,), timeout=300)
+    references = {accum: trace for accum, (trace, _) in one_process.items()}
+    return run(all_variants, DP, args=(references,), timeout=300)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_equals_one_process(name, four_ranks, one_process):
     accum = VARIANTS[name][3]
-    reference = one_process[accum]
-    ranks = [rank[name] for rank in four_ranks]
+    reference, expected = one_process[accum]
+    results, measured = zip(*[rank[name] for rank in four_ranks])
+    for rank, result in enumerate(results):   # every rank: the loss and gradients of every step, the weights
+        result.assert_equal(f"rank {rank}, {name}")
     for step in range(STEPS):
-        for rank in ranks:
-            assert abs(rank["loss"][step] - reference["loss"][step]) < 1e-5, (name, step, rank["loss"][step])
-        assert ranks[0]["grads_close"][step], \
-            f"{name}, step {step}: gradients differ from one process's by up to {ranks[0]['grad_error'][step]:.2e}"
         # The ranks saw different samples, and together exactly the one process's global batch.
-        seen = [rank["samples"][step] for rank in ranks]
+        seen = [m["samples"][step] for m in measured]
         assert len({tuple(s) for s in seen}) == DP
         per_micro = MICRO_BATCH
         together = [i for m in range(accum) for s in seen for i in s[m * per_micro:(m + 1) * per_micro]]
-        assert together == reference["samples"][step]
-    for rank in ranks:  # Adam amplifies summation-order differences: 1e-4 after 20 steps
-        torch.testing.assert_close(rank["weights"], reference["weights"], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(rank["weights"], ranks[0]["weights"], rtol=0, atol=0)  # replicas identical
-    assert reference["loss"][-1] < reference["loss"][0] - 0.5  # and it learned something
+        assert together == expected["samples"][step]
+    for m in measured:   # replicas identical
+        torch.testing.assert_close(m["weights"], measured[0]["weights"], rtol=0, atol=0)
+    assert reference.loss[-1] < reference.loss[0] - 0.5  # and it learned something
 
 
 @pytest.mark.parametrize("ours, ddp", DDP_PAIRS)
 def test_equals_torch_ddp_step_by_step(ours, ddp, four_ranks):
-    assert four_ranks[0]["vs DDP"][(ours, ddp)]   # the course's claim for gradients while training, every step
-    torch.testing.assert_close(four_ranks[0][ours]["weights"], four_ranks[0][ddp]["weights"], rtol=1e-5, atol=1e-5)
+    """The course's claim for gradients while training, every step (with the losses and, after the Adam steps,
+    the weights, by picotron.lockstep); the weights also within 1e-5."""
+    for rank, result in enumerate(four_ranks):
+        result["vs DDP"][(ours, ddp)].assert_equal(f"rank {rank}, {ours} against {ddp}")
+        torch.testing.assert_close(result[ours][1]["weights"], result[ddp][1]["weights"], rtol=1e-5, atol=1e-5)
 
 
 def test_one_all_reduce_per_bucket_per_step(four_ranks):
     """Bucketing sets the number of calls; no_sync keeps accumulation from adding any."""
-    rank0 = four_ranks[0]
+    rank0 = {name: measured for name, (_, measured) in four_ranks[0].items() if name in VARIANTS}
     params = len(list(Llama(SMALL).parameters()))
     assert rank0["naive"]["calls"] == [params] * STEPS and rank0["flat"]["calls"] == [1] * STEPS
     assert rank0["overlapped"]["buckets"] == params
