@@ -53,10 +53,47 @@ from picotron.launch import device, run
 
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "close_in_training", "max_abs_error",
            "mismatch", "on_ranks", "one_thread", "patched", "collective_patches", "collectives_observed", "payload_of",
-           "tensors_in", "only_point_to_point", "watch_calls", "refusing", "check_chunk_to_send", "check_reduce_scatter_phase",
-           "check_all_gather_phase", "check_ring_all_reduce", "check_recursive_doubling_all_reduce",
-           "check_hang_diagnosis", "gradient_per_micro_batch", "mean_gradient", "shard", "first_weights",
-           "batch_gradient", "FEATURES", "MICRO_BATCH", "HANG_SPLIT"]
+           "tensors_in", "only_point_to_point", "watch_calls", "refusing", "not_the_course_answer", "all_ranks_ok",
+           "grad_of", "worst_error",
+           "check_chunk_to_send", "check_reduce_scatter_phase", "check_all_gather_phase", "check_ring_all_reduce",
+           "check_recursive_doubling_all_reduce", "check_hang_diagnosis", "gradient_per_micro_batch", "mean_gradient",
+           "shard", "first_weights", "batch_gradient", "FEATURES", "MICRO_BATCH", "HANG_SPLIT"]
+
+# ---- small pieces the distributed checks share --------------------------------------------------------
+def all_ranks_ok(ok: bool, group) -> bool:
+    """True on every rank of `group` when `ok` is true on all: ranks skip a step together, never alone
+    (a rank that skipped a collective the others make would leave them waiting)."""
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """A copy of a leaf's gradient, None when nothing reached it."""
+    return None if t.grad is None else t.grad.detach().clone()
+
+
+def worst_error(per_rank: list, key: str, wants: list) -> float:
+    """The largest |error| of `key` over the ranks that have it (inf for a rank whose value is None)."""
+    errors = [max_abs_error(r[key], want) if r.get(key) is not None else math.inf
+              for r, want in zip(per_rank, wants) if key in r]
+    return max(errors, default=math.nan)
+
+
+# ---- an answer that is the course's own ------------------------------------------------------------
+def not_the_course_answer(what: str, *answers, course, only: dict | None = None) -> None:
+    """Refuse an answer that is the course's own code rather than the learner's: a function, a class or an
+    instance (a Triton kernel: its Python function) whose module, or one of whose classes' modules, lies under
+    `course` (a module name or a tuple of them). `only` = {module: names}: in those modules, only these names."""
+    course = (course,) if isinstance(course, str) else tuple(course)
+    for answer in answers:
+        inner = answer.fn if type(answer).__name__ in ("JITFunction", "InterpretedFunction") else answer
+        for k in (inner, *(inner.__mro__ if isinstance(inner, type) else type(inner).__mro__)):
+            module, name = str(getattr(k, "__module__", "")), getattr(k, "__name__", "")
+            if module.startswith(course) and (only is None or module not in only or name in only[module]):
+                shown = getattr(inner, "__name__", type(inner).__name__)
+                raise AssertionError(f"{what}: {shown} comes from {module}, the course's answer; write your own")
+
 
 # ---- which functions an answer called ----------------------------------------------------------
 @contextmanager

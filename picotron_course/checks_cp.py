@@ -70,6 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from picotron_course import settings
 from picotron_course.checks import (Report, close_enough, collectives_observed, mismatch, on_ranks, one_thread,
                                     only_point_to_point, patched, preview, rank_tensor, tensors_in)
+from picotron_course.checks import not_the_course_answer
 
 __all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "check_mesh_2d",
            "check_attention_2d", "WORLD", "CP_SIZES", "HOP_TIMEOUT"]
@@ -93,6 +94,7 @@ PACKAGE = "picotron.parallel.context_parallel"
 BLOCKS = "picotron.parallel.online_softmax"     # its one-device building blocks: the course's answer too
 LAYOUT = "picotron.data"                        # where the course's answer to the layout lives (the loader uses it)
 LAYOUT_NAMES = ("cp_chunks", "cp_positions")
+COURSE_ANSWER = dict(course=(PACKAGE, BLOCKS, LAYOUT), only={LAYOUT: LAYOUT_NAMES})   # not_the_course_answer's
 INF = math.inf
 
 
@@ -241,14 +243,6 @@ def _show_list(values: list) -> str:
 
 
 # ---- the course's answer is refused --------------------------------------------------------------
-def _not_the_course_answer(what: str, *functions) -> None:
-    for fn in functions:
-        module = str(getattr(fn, "__module__", ""))
-        if module.startswith((PACKAGE, BLOCKS)) or (module == LAYOUT and getattr(fn, "__name__", "") in LAYOUT_NAMES):
-            raise AssertionError(f"{what}: {getattr(fn, '__name__', fn)} comes from {module}, the course's answer; "
-                                 "write your own")
-
-
 @contextmanager
 def _course_answer_refused(what: str) -> Iterator[None]:
     """Inside, the functions of the course's module raise, however the learner's code reaches them (imported
@@ -284,7 +278,7 @@ def check_layout(rank_chunks: Callable, rank_positions: Callable) -> None:
     """rank_chunks(r, cp, zigzag): [r] of cp chunks, or [r, 2cp-1-r] of 2 cp under zig-zag; rank_positions:
     the positions of those chunks, in order. Every position held by exactly one rank; under zig-zag
     every rank's queries see equally many keys (causal work = sum over its positions p of p + 1)."""
-    _not_the_course_answer("check_layout", rank_chunks, rank_positions)
+    not_the_course_answer("check_layout", rank_chunks, rank_positions, **COURSE_ANSWER)
     note = ("causal work/rank: the (query, key) pairs of a rank's queries, key <= query; the plain split gives "
             "the last rank the most, zig-zag must give every rank the same")
     with Report("layout", note=note) as report, _course_answer_refused("check_layout"):
@@ -421,7 +415,7 @@ def _merge_inputs(seed: int, offset: float, extra: float, first: str, second: st
 def check_merge(merge: Callable) -> None:
     """merge(out, lse, block_out, block_lse) -> (out, lse): the attention over the keys of both parts, from each
     part's output and log-sum-exp, in fp32 without overflow and without NaN where an lse is -inf."""
-    _not_the_course_answer("check_merge", merge)
+    not_the_course_answer("check_merge", merge, **COURSE_ANSWER)
     note = (f"out, block_out {(*MERGE_SHAPE, MERGE_DIM)}, lse, block_lse {MERGE_SHAPE}, fp32: softmax attention over "
             f"{MERGE_KEYS[0]} and over {MERGE_KEYS[1]} keys. Expected: attention over all {sum(MERGE_KEYS)} keys "
             "(float64); a query that sees no key at all: out 0, lse -inf")
@@ -512,7 +506,7 @@ def check_attend_block(attend_block: Callable) -> None:
     starting from out 0 and lse -inf, the K/V block of each rank in ring order (own block first). The result
     equals full causal attention for the rank's positions, and only the chunk pairs a query can see are
     computed (later key chunks skipped, the diagonal causal, earlier chunks whole)."""
-    _not_the_course_answer("check_attend_block", attend_block)
+    not_the_course_answer("check_attend_block", attend_block, **COURSE_ANSWER)
     note = ("one process: for each rank, out 0 and lse -inf, then attend_block with the K/V block of every rank in "
             "ring order. Expected: full causal attention (float64) at the rank's positions; chunk pairs: pairs of "
             "(query chunk, key chunk) computed, counted from the matmul FLOPs")
@@ -572,7 +566,7 @@ def check_ring_attention(ring_attention: Callable) -> None:
     """ring_attention(q, k, v, group, zigzag) on each rank's slice of the sequence equals full causal attention
     at its positions. Point-to-point only; each rank sends its K/V onwards cp-1 times (one block each); the hop
     of each step is posted before that step's block is computed, so the two overlap."""
-    _not_the_course_answer("check_ring_attention", ring_attention)
+    not_the_course_answer("check_ring_attention", ring_attention, **COURSE_ANSWER)
     note = ("4 ranks as one ring of cp=4 and as two rings of cp=2 (ranks 0-1, 2-3); each rank gets q, k, v of its "
             "positions. Expected: full causal attention (float64) at those positions; (cp-1) K/V blocks sent per "
             "rank, 2 x batch x kv_heads x s/cp x d x 4 B each")
@@ -816,7 +810,7 @@ def check_mesh_2d(groups_2d: Callable, positions_2d: Callable) -> None:
     a rank holds; one process, every rank of several (u, r). The groups tile the ranks (Ulysses: consecutive
     ranks, a node; ring: one rank per node, the same place in each); each position is held once, and a
     Ulysses group's positions, joined in group-rank order, are ring rank g's (rank_positions(s, g, r, zigzag))."""
-    _not_the_course_answer("check_mesh_2d", groups_2d, positions_2d)
+    not_the_course_answer("check_mesh_2d", groups_2d, positions_2d, **COURSE_ANSWER)
     note = (f"one process, cp = u x r ranks, s = {MESH_SEQ}. Expected: Ulysses group of rank g u + j = ranks g u .. "
             "g u + u - 1, its ring group = ranks j, j + u, ...; its positions = piece j of u of ring rank g's")
     with Report("mesh_2d", note=note) as report, _course_answer_refused("check_mesh_2d"):
@@ -895,7 +889,7 @@ def check_attention_2d(attention_2d: Callable) -> None:
     handed q, k, v and the output once (K/V with their own heads; none needed when u = 1); point-to-point only to
     and from its ring group, (r - 1) K/V blocks of kv_heads/u heads and s/r tokens; no other collective; and where
     u does not divide both head counts, a ValueError naming u and both counts, before any communication."""
-    _not_the_course_answer("check_attention_2d", attention_2d)
+    not_the_course_answer("check_attention_2d", attention_2d, **COURSE_ANSWER)
     note = ("4 ranks as u x r = 2 x 2 (Ulysses groups 0-1, 2-3; rings 0-2, 1-3), 1 x 4 (one ring), 4 x 1 (one "
             "Ulysses group); each rank gets q, k, v of its positions. Expected: full causal attention (float64) at "
             "those positions; all-to-alls handed q, k, v, out once: batch x s/cp x d x (2 heads + 2 kv_heads) x 4 B; "

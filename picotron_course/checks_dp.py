@@ -38,6 +38,7 @@ from picotron import tolerance
 from picotron.config import ModelConfig
 from picotron_course.checks import (Report, close_enough, close_in_training, max_abs_error, mismatch, on_ranks,
                                     one_thread, rank_tensor, watch_calls)
+from picotron_course.checks import not_the_course_answer
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_grad_views", "check_grad_bucket", "check_hooks", "check_data_parallel", "check_assign_buckets",
@@ -95,16 +96,6 @@ def recorded_all_reduces() -> Iterator[list[AllReduceCall]]:
         yield calls
     finally:
         dist.all_reduce = c10d.all_reduce = original
-
-
-def _not_the_course_answer(what: str, *objects) -> None:
-    for obj in objects:
-        cls = obj if isinstance(obj, type) else type(obj)
-        if any(k.__module__ == PACKAGE for k in cls.__mro__):
-            raise AssertionError(f"{what}: {cls.__name__} comes from {PACKAGE}, the course's answer; "
-                                 "write your own")
-
-
 
 
 # ---- 1. grad_views ---------------------------------------------------------------------------
@@ -177,7 +168,7 @@ ROUNDS = 2  # the same bucket twice: it must be ready for the next step after wa
 def check_grad_bucket(GradBucket: type) -> None:
     """mark_ready launches one async all-reduce of the whole buffer when the last gradient is ready;
     after wait() every gradient is the mean over ranks; the bucket then serves the next step."""
-    _not_the_course_answer("check_grad_bucket", GradBucket)
+    not_the_course_answer("check_grad_bucket", GradBucket, course=PACKAGE)
     with Report("GradBucket", note=f"{WORLD} ranks; each row: mark every parameter ready (last first), then wait()") \
             as report:
         results = on_ranks(_bucket_on_rank, WORLD, GradBucket, BUCKET_CASES)
@@ -200,7 +191,7 @@ def _bucket_on_rank(GradBucket: type, cases: list) -> list:
     for case, (shapes, dtype) in enumerate(cases):
         params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
         bucket = GradBucket(params, dist.group.WORLD)
-        _not_the_course_answer("check_grad_bucket", bucket)
+        not_the_course_answer("check_grad_bucket", bucket, course=PACKAGE)
         rounds = []
         if not all(p.grad is not None and p.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage()
                    .data_ptr() for p in params):
@@ -279,7 +270,7 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
 def check_hooks(DataParallel: type) -> None:
     """One backward on 4 ranks: each bucket's all-reduce starts during backward, once; after
     finish_gradient_sync the gradients equal one process's gradient of the global batch."""
-    _not_the_course_answer("check_hooks", DataParallel)
+    not_the_course_answer("check_hooks", DataParallel, course=PACKAGE)
     with Report("hooks", note=f"{WORLD} ranks, one backward of a Llama with {len(list(_model().parameters()))} "
                               "parameter tensors (the embedding tied to the LM head)") as report:
         results = on_ranks(_hooks_on_rank, WORLD, DataParallel, HOOK_BUCKETS)
@@ -323,7 +314,7 @@ def _hooks_on_rank(DataParallel: type, bucket_sizes: list) -> list:
     for bucket_numel in bucket_sizes:
         model = _model()
         dp = DataParallel(model, dist.group.WORLD, bucket_numel)
-        _not_the_course_answer("check_hooks", dp, *dp.buckets)
+        not_the_course_answer("check_hooks", dp, *dp.buckets, course=PACKAGE)
         local = _model()                                     # this rank's own gradient, without communication
         loss_fn(local(tokens[:, :-1]), tokens[:, 1:]).backward()
         with recorded_all_reduces() as calls:
@@ -363,7 +354,7 @@ def check_data_parallel(DataParallel: type) -> None:
     """5 AdamW steps on 4 ranks, with gradient accumulation inside no_sync(): every step's gradients
     and the final weights equal one process training on the same global batches, with one
     all-reduce per bucket per step."""
-    _not_the_course_answer("check_data_parallel", DataParallel)
+    not_the_course_answer("check_data_parallel", DataParallel, course=PACKAGE)
     with Report("DataParallel training", note=f"{WORLD} ranks, {TRAIN_STEPS} AdamW steps; micro-batches of "
                                               f"{BATCH_PER_RANK} sequences per rank") as report:
         results = on_ranks(_train_on_rank, WORLD, DataParallel, TRAIN_CASES)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from picotron_course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
                                     on_ranks, one_thread, payload_of, rank_tensor)
+from picotron_course.checks import all_ranks_ok, grad_of, not_the_course_answer, worst_error
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",
            "check_capacity_moe", "unpermute_demo", "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe",
@@ -217,16 +218,6 @@ def describe(calls: list[Exchange], ep: int | None = None) -> str:
 
 
 # ---- tools shared by the checks -----------------------------------------------------------------
-def _not_the_course_answer(what: str, *objects) -> None:
-    for obj in objects:
-        classes = obj.__mro__ if isinstance(obj, type) else (obj,)
-        for k in classes:
-            module = str(getattr(k, "__module__", ""))
-            if any(module.startswith(package) for package in COURSE):
-                raise AssertionError(f"{what}: {getattr(obj, '__name__', type(obj).__name__)} comes from {module}, "
-                                     "the course's own code; write your own")
-
-
 def _groups() -> list[tuple[int, object, list[int]]]:
     """(ep, group, global ranks of the group) for each group this rank is in: all 4, then its pair."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -244,13 +235,6 @@ def _cases(items: list) -> list[tuple[int, int, object]]:
     return [(ep, seed, item) for ep in EP_SIZES for seed, item in enumerate(items)]
 
 
-def _all_ok(ok: bool, group) -> bool:
-    """True on every rank of `group` when `ok` is true on all: ranks skip a step together, never alone."""
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
 def _attempt(result: dict, step: str, fn: Callable, *args):
     """Call the learner's `fn`; an error (other than NotImplementedError) is noted in `result` for the table.
 
@@ -265,10 +249,6 @@ def _attempt(result: dict, step: str, fn: Callable, *args):
     except Exception as e:  # noqa: BLE001 - reported in the table, with the step and the rank
         result.setdefault("problem", (step, f"{type(e).__name__}: {e}", False))
     return None
-
-
-def _grad(t: torch.Tensor) -> torch.Tensor | None:
-    return None if t.grad is None else t.grad.detach().clone()
 
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
@@ -293,14 +273,8 @@ def _shape_problem(per_rank: list) -> str:
     return ""
 
 
-def _worst(per_rank: list, key: str, wants: list) -> float:
-    errors = [max_abs_error(r[key], want) if r.get(key) is not None else math.inf
-              for r, want in zip(per_rank, wants) if key in r]
-    return max(errors, default=math.nan)
-
-
 def _max_err(per_rank: list, pairs: list) -> float:
-    errors = [_worst(per_rank, key, wants) for key, wants in pairs]
+    errors = [worst_error(per_rank, key, wants) for key, wants in pairs]
     return max((e for e in errors if not math.isnan(e)), default=math.nan)
 
 
@@ -447,7 +421,7 @@ def _permute_inputs(case: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 def check_permute(permute: Callable) -> None:
     """rows, order, counts = permute(tokens, expert_ids, num_experts): the T k (token, choice) slots grouped by
     expert (expert 0's first), row i being slot order[i] (token order[i] // k), and the rows per expert."""
-    _not_the_course_answer("check_permute", permute)
+    not_the_course_answer("check_permute", permute, course=COURSE)
     note = ("one process; tokens (T, h) with requires_grad, expert_ids (T, k). Expected: rows (T k, h) grouped by "
             "expert, rows[i] = tokens[order[i] // k], order a permutation of the slots 0..T k - 1 (slot t k + j = "
             "token t's j-th choice), counts (E,) = rows per expert; rows differentiable")
@@ -515,7 +489,7 @@ def check_all_to_all(AllToAll: type) -> None:
     """y = AllToAll.apply(x, send_splits, recv_splits, group): rank i's rows [sum send[:j], sum send[:j+1])
     go to rank j, which puts what it receives from ranks 0, 1, ... in turn; one all-to-all each way,
     backward the reverse one (each row's gradient goes back to the rank the row came from)."""
-    _not_the_course_answer("check_all_to_all", AllToAll)
+    not_the_course_answer("check_all_to_all", AllToAll, course=COURSE)
     note = ("4 ranks as ep=4 and as 2 groups of ep=2; rank i sends M[i][j] rows to rank j (some send or receive "
             "nothing), backpropagates its own gradient of y. Compared with the rows and gradients cut and pasted "
             "in one process. Forward: one all-to-all of the rows sent; backward: one of the rows received")
@@ -622,13 +596,13 @@ def _a2a_on_rank(AllToAll: type) -> list:
                                      "x (call it as AllToAll.apply(x, ...), and return a new tensor from forward)")
                 else:
                     result["y"] = y.detach().clone()
-            if not _all_ok("y" in result, group):
+            if not all_ranks_ok("y" in result, group):
                 continue
             upstream = _upstream(rank, want, seed)
             with recorded_exchanges("AllToAll's backward") as backward:
                 _attempt(result, "AllToAll's backward", lambda: (y * upstream).sum().backward())
-            result.update(backward=backward, x_grad=_grad(x))
-            _all_ok(True, group)
+            result.update(backward=backward, x_grad=grad_of(x))
+            all_ranks_ok(True, group)
     return out
 
 
@@ -636,7 +610,7 @@ def _a2a_on_rank(AllToAll: type) -> list:
 def check_dispatch(dispatch: Callable) -> None:
     """received, received_counts, (send, recv) = dispatch(rows, counts, group): an all-to-all of the E counts,
     then one of exactly the rows routed; rank d gets, from ranks 0, 1, ... in turn, their rows for its experts."""
-    _not_the_course_answer("check_dispatch", dispatch)
+    not_the_course_answer("check_dispatch", dispatch, course=COURSE)
     note = ("4 ranks as ep=4 and as 2 groups of ep=2; E = 8 experts, rank r of a group holds [r E/ep, (r+1) E/ep). "
             "Each rank's T k rows come sorted by expert with their counts (E,); it backpropagates its own gradient "
             "of the rows received. Compared with the rows cut and pasted in one process")
@@ -836,13 +810,13 @@ def _dispatch_on_rank(dispatch: Callable) -> list:
                     received, counts, splits = unpacked
                     result.update(received=received.detach().clone(), received_counts=counts.detach().clone(),
                                   splits=splits)
-            if not _all_ok("received" in result, group):
+            if not all_ranks_ok("received" in result, group):
                 continue
             upstream = _upstream(rank, tuple(received.shape), seed)
             with recorded_exchanges("dispatch's backward") as backward:
                 _attempt(result, "dispatch's backward", lambda: (received * upstream).sum().backward())
-            result.update(backward=backward, rows_grad=_grad(rows))
-            _all_ok(True, group)
+            result.update(backward=backward, rows_grad=grad_of(rows))
+            all_ranks_ok(True, group)
     return out
 
 
@@ -860,7 +834,7 @@ def check_combine(combine: Callable) -> None:
     """y = combine(expert_out, (send, recv), order, gates, group): the reverse all-to-all brings every slot's
     expert output home; y[t] = sum_j gates[t, j] x (output of slot t k + j); gradients flow to expert_out
     (back through the all-to-all) and to the gates."""
-    _not_the_course_answer("check_combine", combine)
+    not_the_course_answer("check_combine", combine, course=COURSE)
     note = ("4 ranks as ep=4 and as 2 groups of ep=2; expert_out (R, h) on each rank stands for its experts' outputs "
             "of the rows it received; the splits and order are those of the dispatch. Compared with the sum over "
             "every token's k slots in one process (float64). Forward: one all-to-all of the R rows; backward: one "
@@ -1019,13 +993,13 @@ def _combine_on_rank(combine: Callable) -> list:
                                      "(AllToAll.apply, no .detach())")
                 else:
                     result["y"] = y.detach().clone()
-            if not _all_ok("y" in result, group):
+            if not all_ranks_ok("y" in result, group):
                 continue
             upstream = _upstream(rank, (tokens, HIDDEN), seed)
             with recorded_exchanges("combine's backward") as backward:
                 _attempt(result, "combine's backward", lambda: (y * upstream).sum().backward())
-            result.update(backward=backward, out_grad=_grad(expert_out), gates_grad=_grad(gates))
-            _all_ok(True, group)
+            result.update(backward=backward, out_grad=grad_of(expert_out), gates_grad=grad_of(gates))
+            all_ranks_ok(True, group)
     return out
 
 
@@ -1052,7 +1026,7 @@ def dense_moe(xs: list[torch.Tensor], ids: list[torch.Tensor], seed: int, case: 
 def check_expert_parallel_moe(permute: Callable, dispatch: Callable, combine: Callable) -> None:
     """The whole layer on each rank, router and experts included: permute, dispatch, the local experts on
     what arrived, combine. y, x.grad and every expert's weight gradients equal the dense loop over tokens."""
-    _not_the_course_answer("check_expert_parallel_moe", permute, dispatch, combine)
+    not_the_course_answer("check_expert_parallel_moe", permute, dispatch, combine, course=COURSE)
     note = ("4 ranks as ep=4 and as 2 groups of ep=2; each rank routes its own tokens with the same router (top-k "
             "softmax gates), runs permute, dispatch, its E/ep experts (the check's code) and combine, and "
             "backpropagates its own gradient of y. Compared with a loop over every token and its k experts in one "
@@ -1218,7 +1192,7 @@ def _moe_on_rank(permute: Callable, dispatch: Callable, combine: Callable) -> li
                         and tuple(got[0].shape) == (tokens * top_k, HIDDEN) and tuple(got[1].shape) == (tokens * top_k,)
                         and tuple(got[2].shape) == (NUM_EXPERTS,)):
                     result["bad"] = "permute returned something else than (rows (T k, h), order (T k,), counts (E,))"
-            if not _all_ok("problem" not in result and "bad" not in result, group):
+            if not all_ranks_ok("problem" not in result and "bad" not in result, group):
                 continue
             rows, order, counts = got
             with recorded_exchanges("dispatch") as calls:
@@ -1231,7 +1205,7 @@ def _moe_on_rank(permute: Callable, dispatch: Callable, combine: Callable) -> li
                     result["bad"] = bad
                 else:
                     result["received_counts"] = unpacked[1].detach().clone()
-            if not _all_ok(unpacked is not None, group):
+            if not all_ranks_ok(unpacked is not None, group):
                 continue
             received, received_counts, splits = unpacked
             expert_out = _run_local_experts(received, received_counts, weights)     # (R, h), as received
@@ -1244,13 +1218,13 @@ def _moe_on_rank(permute: Callable, dispatch: Callable, combine: Callable) -> li
                                      "with a grad_fn")
                 else:
                     result["y"] = y.detach().clone()
-            if not _all_ok("y" in result, group):
+            if not all_ranks_ok("y" in result, group):
                 continue
             upstream = _upstream(rank, (tokens, HIDDEN), seed, which=1)
             with recorded_exchanges("the layer's backward") as backward:
                 _attempt(result, "the layer's backward", lambda: (y * upstream).sum().backward())
-            result.update(backward=backward, x_grad=_grad(x), w_grads=[(_grad(a), _grad(b)) for a, b in weights])
-            _all_ok(True, group)
+            result.update(backward=backward, x_grad=grad_of(x), w_grads=[(grad_of(a), grad_of(b)) for a, b in weights])
+            all_ranks_ok(True, group)
     return out
 
 
@@ -1504,7 +1478,7 @@ def check_capacity_moe(capacity_moe: Callable) -> None:
     most C = ceil(capacity_factor T k / E) slots, first choices before second choices, then in token order;
     out[t] = x[t] + sum over kept slots of gates[t, j] expert(x[t]); each expert called at most once, on its
     kept rows; gradients to x, the gates and the experts' weights."""
-    _not_the_course_answer("check_capacity_moe", capacity_moe)
+    not_the_course_answer("check_capacity_moe", capacity_moe, course=COURSE)
     note = ("one process; x (T, h), expert_ids (T, k), gates (T, k), experts: E functions (n, h) -> (n, h) that note "
             "their calls. Compared with a loop over the slots in priority order and over the tokens (float64); "
             "gradients of sum(out * u) for a fixed u. per expert: kept slots of experts 0, 1, ...")

@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 
 from picotron_course.checks import Report, close_enough, mismatch
+from picotron_course.checks import not_the_course_answer
 
 __all__ = ["check_tensorwise", "check_rowwise", "check_float8_matmul", "check_float8_linear", "check_delayed_scaler",
            "ref_quantize_tensorwise", "ref_quantize_rowwise", "ref_dequantize", "E4M3", "E5M2",
@@ -94,16 +95,6 @@ def _data(shape: tuple, seed: int, spread: bool = True) -> torch.Tensor:
 
 
 # ---- tools ----------------------------------------------------------------------------------------------
-def _not_the_course_answer(what: str, *objects) -> None:
-    for obj in objects:
-        classes = obj.__mro__ if isinstance(obj, type) else (obj,)
-        for k in classes:
-            module = str(getattr(k, "__module__", ""))
-            if any(module.startswith(package) for package in COURSE):
-                raise AssertionError(f"{what}: {getattr(obj, '__name__', type(obj).__name__)} comes from {module}, "
-                                     "the course's own code; write your own")
-
-
 def _call(fn: Callable, *args):
     """The learner's fn(*args), or (None, "error text") when it raises (NotImplementedError goes through)."""
     try:
@@ -183,7 +174,7 @@ def _tensorwise_cases() -> list[tuple[str, torch.Tensor, torch.dtype, torch.Tens
 
 def check_tensorwise(quantize_tensorwise: Callable, dequantize: Callable) -> None:
     """q, scale = quantize_tensorwise(x, dtype, scale=None); dequantize(q, scale) ~= x."""
-    _not_the_course_answer("check_tensorwise", quantize_tensorwise, dequantize)
+    not_the_course_answer("check_tensorwise", quantize_tensorwise, dequantize, course=COURSE)
     note = ("one process. scale = amax(|x|) / max(dtype) as a float32 tensor (or the scale given), q = "
             "clamp(x / scale, -max, max).to(dtype); err/bound: largest |x - dequantize(q, scale)| over half a gap")
     with Report("tensorwise", note=note) as report:
@@ -215,7 +206,7 @@ def _rowwise_cases() -> list[tuple[str, torch.Tensor, torch.dtype]]:
 
 def check_rowwise(quantize_rowwise: Callable, dequantize: Callable) -> None:
     """q, scale = quantize_rowwise(x (M, K), dtype): one scale per row, shape (M, 1)."""
-    _not_the_course_answer("check_rowwise", quantize_rowwise, dequantize)
+    not_the_course_answer("check_rowwise", quantize_rowwise, dequantize, course=COURSE)
     note = ("one process. scale[i] = amax(|x[i, :]|) / max(dtype), shape (M, 1), float32; q = clamp(x / scale, "
             "-max, max).to(dtype). 'others kept': with one row 1000x larger, the other rows quantize as without it")
     with Report("rowwise", note=note) as report:
@@ -252,7 +243,7 @@ def check_float8_matmul(float8_matmul: Callable) -> None:
 
     Run with two quantizers written here (tensorwise and rowwise, both along the last dimension), so
     that only the matmul is checked."""
-    _not_the_course_answer("check_float8_matmul", float8_matmul)
+    not_the_course_answer("check_float8_matmul", float8_matmul, course=COURSE)
     note = ("one process. Expected: dequantize(quantize(a, a_dtype)) @ dequantize(quantize(b, b_dtype)).T in float32 "
             "(what torch._scaled_mm computes); 'vs fp32': relative error against a @ b.T, "
             f"<= {FORWARD_TOL} (e4m3 x e4m3) or {E5M2_TOL} (with e5m2)")
@@ -304,7 +295,7 @@ def _bf16_linear(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor):
 
 def check_float8_linear(Float8LinearFunction) -> None:
     """y = Float8LinearFunction.apply(x (..., K), weight (N, K), quantize): your forward, the given backward."""
-    _not_the_course_answer("check_float8_linear", Float8LinearFunction)
+    not_the_course_answer("check_float8_linear", Float8LinearFunction, course=COURSE)
     note = ("one process. Expected: forward x W^T from e4m3 copies, backward dy W and dy^T x with dy in e5m2, "
             f"each product as in float8_matmul. 'vs bf16': largest relative error of y, dx, dW against bf16 "
             f"matmuls, <= {FORWARD_TOL} for y and {E5M2_TOL} for the gradients")
@@ -489,7 +480,7 @@ def _delayed_sequence(DelayedScaler, dtype, history_len, margin, amaxes, seed) -
 def check_delayed_scaler(DelayedScaler) -> None:
     """scaler = DelayedScaler(dtype=..., history_len=H, margin=m); q, scale = scaler.quantize(x) once per step;
     scaler.overflows counts the steps that overflowed. Planted sequences of amaxes, each with a new scaler."""
-    _not_the_course_answer("check_delayed_scaler", DelayedScaler)
+    not_the_course_answer("check_delayed_scaler", DelayedScaler, course=COURSE)
     note = ("one process. Per step: scale = (largest amax of the last H steps) x 2^margin / max(dtype), float32; this "
             "step's amax instead with no history (none yet, or all 0) or when it exceeds that amax x 2^margin (an "
             "overflow, counted); q = clamp(x / scale, -max, max).to(dtype). 'overflows': the learner's / the rules'")

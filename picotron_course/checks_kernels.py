@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 from picotron import tolerance
 from picotron_course.checks import Report, max_abs_error, mismatch
+from picotron_course.checks import not_the_course_answer
 from picotron.kernels.runtime import INTERPRETED, TRITON, kernel_device   # interpreter or compiler, before any kernel
 
 __all__ = ["check_softmax_kernel", "check_rmsnorm_kernel", "check_online_softmax_kernel",
@@ -182,12 +183,6 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:200]
 
 
-def _not_the_course_answer(what: str, kernel) -> None:
-    module = str(getattr(getattr(kernel, "fn", kernel), "__module__", ""))
-    if module.startswith("picotron.kernels"):
-        raise AssertionError(f"{what}: {_name(kernel)} comes from {module}, the course's own kernel; write your own")
-
-
 # ---- data ---------------------------------------------------------------------------------------
 def _data(rows: int, n_cols: int, dtype: torch.dtype, stride: int | None, make: str, seed: int) -> torch.Tensor:
     """(rows, n_cols) input, as a slice of a (rows, stride) tensor when stride is given."""
@@ -243,7 +238,7 @@ def _block(n_cols: int) -> int:
 # ---- softmax ------------------------------------------------------------------------------------
 def check_softmax_kernel(softmax_kernel) -> None:
     """Launch softmax_kernel with one program per row on each case of SOFTMAX_CASES; compare with float64 torch."""
-    _not_the_course_answer("check_softmax_kernel", softmax_kernel)
+    not_the_course_answer("check_softmax_kernel", softmax_kernel, course="picotron.kernels")
     where = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel"
     note = f"one program per row, in {where}; expected = torch.softmax in float64"
     with Report("softmax_kernel", note=note) as report:
@@ -259,7 +254,7 @@ def check_softmax_kernel(softmax_kernel) -> None:
 def check_rmsnorm_kernel(rmsnorm_kernel) -> None:
     """Launch rmsnorm_kernel with one program per row on each case of RMSNORM_CASES; compare y and rstd with
     float64 torch."""
-    _not_the_course_answer("check_rmsnorm_kernel", rmsnorm_kernel)
+    not_the_course_answer("check_rmsnorm_kernel", rmsnorm_kernel, course="picotron.kernels")
     where = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel"
     note = (f"one program per row, in {where}; expected: rstd = 1/sqrt(mean(x^2) + eps), "
             "y = w * (x rstd, rounded to x's dtype), in float64")
@@ -284,7 +279,7 @@ def check_online_softmax_kernel(online_softmax_kernel) -> None:
     ONLINE_SOFTMAX_CASES; compare with float64 torch.softmax. From the kernel's Triton IR (the same on a CPU and
     a GPU), count what each program loads and stores: at most BLOCK values a load, two loads and one store of
     each element."""
-    _not_the_course_answer("check_online_softmax_kernel", online_softmax_kernel)
+    not_the_course_answer("check_online_softmax_kernel", online_softmax_kernel, course="picotron.kernels")
     where = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel"
     note = (f"one program per row, BLOCK columns at a time, in {where}; expected = torch.softmax in float64; "
             "loads and stores counted on the kernel's Triton IR")
@@ -350,7 +345,7 @@ def check_flash_attention_kernel(flash_attention_kernel) -> None:
     (causal) no key block above the diagonal."""
     from picotron.kernels.flash_attention_torch import attention_roundings, flash_attention_torch
 
-    _not_the_course_answer("check_flash_attention_kernel", flash_attention_kernel)
+    not_the_course_answer("check_flash_attention_kernel", flash_attention_kernel, course="picotron.kernels")
     where = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel (fp32 tl.dot in TF32)"
     note = (f"one program per (head, query block), in {where}; expected O = SDPA in float64 and picotron's torch "
             "FlashAttention, lse = logsumexp in float64; loads counted on the kernel's Triton IR")

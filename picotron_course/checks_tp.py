@@ -44,6 +44,7 @@ from torch import nn
 
 from picotron_course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
                                     on_ranks, payload_of, rank_tensor)
+from picotron_course.checks import all_ranks_ok, grad_of, not_the_course_answer, worst_error
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "check_vocab_parallel_cross_entropy", "check_gather_from_sp", "check_reduce_scatter_to_sp",
@@ -130,14 +131,6 @@ def describe(calls: list[Call], tp: int | None = None) -> str:
 
 
 # ---- tools shared by the checks --------------------------------------------------------------
-def _not_the_course_answer(what: str, *objects) -> None:
-    for obj in objects:
-        classes = obj.__mro__ if isinstance(obj, type) else (obj, *type(obj).__mro__)
-        if any(str(getattr(k, "__module__", "")).startswith(PACKAGE) for k in classes):
-            raise AssertionError(f"{what}: {getattr(obj, '__name__', type(obj).__name__)} comes from {PACKAGE}, "
-                                 "the course's answer; write your own")
-
-
 def _groups() -> list[tuple[int, object]]:
     """(tp, group) pairs this rank belongs to: all 4 ranks, then its pair (every rank makes both pairs)."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -147,18 +140,6 @@ def _groups() -> list[tuple[int, object]]:
 def _cases(items: list) -> list[tuple[int, int, object]]:
     """(tp, seed, item) in the order the ranks run them."""
     return [(tp, seed, item) for tp in TP_SIZES for seed, item in enumerate(items)]
-
-
-def _all_ok(ok: bool, group) -> bool:
-    """True on every rank of `group` when `ok` is true on all: ranks skip a step together, never alone
-    (a rank that skipped a collective the others make would leave them waiting)."""
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _grad(t: torch.Tensor) -> torch.Tensor | None:
-    return None if t.grad is None else t.grad.detach().clone()
 
 
 def _comm_problem(per_rank: list, key: str, tp: int, nbytes: int | None, where: str, why: str) -> str:
@@ -192,12 +173,6 @@ def _comm_problem(per_rank: list, key: str, tp: int, nbytes: int | None, where: 
     return ""
 
 
-def _worst(per_rank: list, key: str, wants: list) -> float:
-    errors = [max_abs_error(r[key], want) if r.get(key) is not None else math.inf
-              for r, want in zip(per_rank, wants) if key in r]
-    return max(errors, default=math.nan)
-
-
 def _value_problem(per_rank: list, key: str, wants: list, what: str, hint: Callable | None = None) -> str:
     """First rank whose `key` differs from its expected value, with a hint when one fits."""
     for rank, (result, want) in enumerate(zip(per_rank, wants)):
@@ -221,7 +196,7 @@ def _group_rank_note(tp: int, rank: int) -> str:
 def check_copy_to_tp(CopyToTP: type) -> None:
     """f: y = x on every rank with no communication; in backward, one all-reduce (sum) over the tp group
     gives x.grad = the sum of every rank's gradient of y."""
-    _not_the_course_answer("check_copy_to_tp", CopyToTP)
+    not_the_course_answer("check_copy_to_tp", CopyToTP, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; y = CopyToTP.apply(x, group), x the same on every rank; "
             "rank i backpropagates its own gradient g_i of y. Expected: y = x, no communication forward; "
             "x.grad = sum of the g_i, one all-reduce (sum) backward")
@@ -243,8 +218,8 @@ def check_copy_to_tp(CopyToTP: type) -> None:
                        **{"forward comm": describe(per_rank[0]["forward"], tp),
                           "backward comm (want)": f"all_reduce sum {nbytes} B",
                           "backward comm (got)": describe(per_rank[0].get("backward", []), tp)},
-                       max_err_y=_worst(per_rank, "y", [x] * WORLD),
-                       max_err_grad=_worst(per_rank, "x_grad", [upstream] * WORLD))
+                       max_err_y=worst_error(per_rank, "y", [x] * WORLD),
+                       max_err_grad=worst_error(per_rank, "x_grad", [upstream] * WORLD))
 
 
 def _upstream(i: int, shape: tuple, seed: int) -> torch.Tensor:
@@ -260,10 +235,10 @@ def _copy_on_rank(CopyToTP: type, shapes: list) -> list:
             with recorded_collectives() as forward:
                 y = CopyToTP.apply(x, group)
             result = {"forward": forward, "y": y.detach().clone()}
-            if _all_ok(y.shape == x.shape and y.requires_grad, group):
+            if all_ranks_ok(y.shape == x.shape and y.requires_grad, group):
                 with recorded_collectives() as backward:
                     (y * _upstream(rank % tp, shape, seed).float()).sum().backward()
-                result.update(backward=backward, x_grad=_grad(x))
+                result.update(backward=backward, x_grad=grad_of(x))
             out.append(result)
     return out
 
@@ -271,7 +246,7 @@ def _copy_on_rank(CopyToTP: type, shapes: list) -> list:
 def check_reduce_from_tp(ReduceFromTP: type) -> None:
     """g: y = the sum of every rank's x, by one all-reduce (sum) over the tp group; in backward, no
     communication: x.grad = y's gradient, which every rank holds whole."""
-    _not_the_course_answer("check_reduce_from_tp", ReduceFromTP)
+    not_the_course_answer("check_reduce_from_tp", ReduceFromTP, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; y = ReduceFromTP.apply(x_i, group), x_i different on every "
             "rank; every rank backpropagates the same gradient g of y. Expected: y = sum of the x_i, one all-reduce "
             "(sum) forward; x_i.grad = g, no communication backward")
@@ -303,8 +278,8 @@ def check_reduce_from_tp(ReduceFromTP: type) -> None:
                        **{"forward comm (want)": f"all_reduce sum {nbytes} B",
                           "forward comm (got)": describe(per_rank[0]["forward"], tp),
                           "backward comm": describe(per_rank[0].get("backward", []), tp)},
-                       max_err_y=_worst(per_rank, "y", [total] * WORLD),
-                       max_err_grad=_worst(per_rank, "x_grad", [upstream] * WORLD))
+                       max_err_y=worst_error(per_rank, "y", [total] * WORLD),
+                       max_err_grad=worst_error(per_rank, "x_grad", [upstream] * WORLD))
 
 
 def _partial(i: int, shape: tuple, seed: int) -> torch.Tensor:
@@ -320,10 +295,10 @@ def _reduce_on_rank(ReduceFromTP: type, shapes: list) -> list:
             with recorded_collectives() as forward:
                 y = ReduceFromTP.apply(x, group)
             result = {"forward": forward, "y": y.detach().clone()}
-            if _all_ok(y.shape == x.shape and y.requires_grad, group):
+            if all_ranks_ok(y.shape == x.shape and y.requires_grad, group):
                 with recorded_collectives() as backward:
                     (y * rank_tensor(30, shape, FP32, seed)).sum().backward()
-                result.update(backward=backward, x_grad=_grad(x))
+                result.update(backward=backward, x_grad=grad_of(x))
             out.append(result)
     return out
 
@@ -413,7 +388,7 @@ def check_column_parallel(ColumnParallelLinear: type) -> None:
     """Rank i keeps rows [i out/t, (i+1) out/t) of W; y_i = x W_i^T is its slice of the output features,
     with no communication; backward sums the input gradient over the tp group (one all-reduce) and
     leaves each rank the gradient of its own rows of W."""
-    _not_the_course_answer("check_column_parallel", ColumnParallelLinear)
+    not_the_course_answer("check_column_parallel", ColumnParallelLinear, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; ColumnParallelLinear(linear, group) on x (the same on every "
             "rank), rank i backpropagates its slice of dL/dY. Compared with one full F.linear: y, x.grad, W.grad")
     with Report("ColumnParallelLinear", note=note) as report:
@@ -450,7 +425,7 @@ def check_column_parallel(ColumnParallelLinear: type) -> None:
 def check_row_parallel(RowParallelLinear: type) -> None:
     """Rank i keeps columns [i in/t, (i+1) in/t) of W and gets its slice x_i of the input features;
     y = sum_i x_i W_i^T on every rank, by one all-reduce; backward needs no communication."""
-    _not_the_course_answer("check_row_parallel", RowParallelLinear)
+    not_the_course_answer("check_row_parallel", RowParallelLinear, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; RowParallelLinear(linear, group) on x_i, rank i's slice of x's "
             "features; every rank backpropagates the same dL/dY. Compared with one full F.linear: y, x.grad, W.grad")
     with Report("RowParallelLinear", note=note) as report:
@@ -502,7 +477,7 @@ def _shape_of(per_rank: list, want: tuple, key: str = "weight") -> object:
 
 
 def _max_err(per_rank: list, pairs: list) -> float:
-    return max((_worst(per_rank, key, wants) for key, wants in pairs), key=lambda e: -1 if math.isnan(e) else e)
+    return max((worst_error(per_rank, key, wants) for key, wants in pairs), key=lambda e: -1 if math.isnan(e) else e)
 
 
 def _linear_on_rank(Layer: type, kind: str, cases: list) -> list:
@@ -511,11 +486,11 @@ def _linear_on_rank(Layer: type, kind: str, cases: list) -> list:
         i = rank % tp
         for seed, (lead, fan_in, fan_out) in enumerate(cases):
             module = Layer(_linear(fan_out, fan_in, seed), group)
-            _not_the_course_answer(f"check_{kind}_parallel", module)
+            not_the_course_answer(f"check_{kind}_parallel", module, course=PACKAGE)
             result = {"weight": _module_info(module)}
             out.append(result)
             want = (fan_out // tp, fan_in) if kind == "column" else (fan_out, fan_in // tp)
-            if not _all_ok(_shape_ok(result["weight"], want), group):
+            if not all_ranks_ok(_shape_ok(result["weight"], want), group):
                 continue
             x, upstream = _inputs(lead, fan_in, fan_out, seed)
             if kind == "column":
@@ -526,18 +501,18 @@ def _linear_on_rank(Layer: type, kind: str, cases: list) -> list:
             with recorded_collectives() as forward:
                 y = module(x)
             result.update(forward=forward, y=y.detach().clone())
-            if not _all_ok(y.shape == upstream.shape and y.requires_grad, group):
+            if not all_ranks_ok(y.shape == upstream.shape and y.requires_grad, group):
                 continue
             with recorded_collectives() as backward:
                 (y * upstream).sum().backward()
-            result.update(backward=backward, x_grad=_grad(x), w_grad=_grad(module.weight))
+            result.update(backward=backward, x_grad=grad_of(x), w_grad=grad_of(module.weight))
     return out
 
 
 def check_tp_mlp(ColumnParallelLinear: type, RowParallelLinear: type) -> None:
     """Column-parallel (h -> f), GELU on this rank's f/t features, row-parallel (f -> h): the full MLP,
     with one all-reduce in forward (leaving) and one in backward (entering), none in between."""
-    _not_the_course_answer("check_tp_mlp", ColumnParallelLinear, RowParallelLinear)
+    not_the_course_answer("check_tp_mlp", ColumnParallelLinear, RowParallelLinear, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; y = row(gelu(column(x))) on x, the same on every rank; every "
             "rank backpropagates the same dL/dY. Compared with the full MLP in one process")
     with Report("tensor-parallel MLP", note=note) as report:
@@ -580,23 +555,23 @@ def _mlp_on_rank(Column: type, Row: type, cases: list) -> list:
         for seed, (lead, hidden, ffn) in enumerate(cases):
             column = Column(_linear(ffn, hidden, seed, 0), group)
             row = Row(_linear(hidden, ffn, seed, 1), group)
-            _not_the_course_answer("check_tp_mlp", column, row)
+            not_the_course_answer("check_tp_mlp", column, row, course=PACKAGE)
             result = {"up": _module_info(column), "down": _module_info(row)}
             out.append(result)
             shapes_ok = _shape_ok(result["up"], (ffn // tp, hidden)) and _shape_ok(result["down"], (hidden, ffn // tp))
-            if not _all_ok(shapes_ok, group):
+            if not all_ranks_ok(shapes_ok, group):
                 continue
             x, upstream = _inputs(lead, hidden, hidden, seed)
             x = x.clone().requires_grad_()
             with recorded_collectives() as forward:
                 y = row(F.gelu(column(x)))      # (..., hidden): GELU works feature by feature, on f/t of them
             result.update(forward=forward, y=y.detach().clone())
-            if not _all_ok(y.shape == upstream.shape and y.requires_grad, group):
+            if not all_ranks_ok(y.shape == upstream.shape and y.requires_grad, group):
                 continue
             with recorded_collectives() as backward:
                 (y * upstream).sum().backward()
-            result.update(backward=backward, x_grad=_grad(x), up_grad=_grad(column.weight),
-                          down_grad=_grad(row.weight))
+            result.update(backward=backward, x_grad=grad_of(x), up_grad=grad_of(column.weight),
+                          down_grad=grad_of(row.weight))
     return out
 
 
@@ -637,7 +612,7 @@ def check_vocab_parallel_cross_entropy(vocab_parallel_cross_entropy: Callable) -
     full logits, and backward must give each rank its slice of the full gradient. Forward may
     all-reduce at most 3 numbers per token (no other collective: no rank may gather b s V logits);
     backward needs no communication."""
-    _not_the_course_answer("check_vocab_parallel_cross_entropy", vocab_parallel_cross_entropy)
+    not_the_course_answer("check_vocab_parallel_cross_entropy", vocab_parallel_cross_entropy, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; rank i gets vocabulary entries [i V/t, (i+1) V/t) of the "
             "logits, backpropagates upstream x loss. Compared with F.cross_entropy on the full logits (float64). "
             "Forward: all-reduces only, of at most 3 numbers per token; backward: none")
@@ -659,7 +634,7 @@ def check_vocab_parallel_cross_entropy(vocab_parallel_cross_entropy: Callable) -
                           "forward comm (got)": describe(per_rank[0].get("forward", []), tp),
                           "backward comm": describe(per_rank[0].get("backward", []), tp)},
                        max_err_loss=max((max_abs_error(l, want) for l in losses), default=math.nan),
-                       max_err_grad=_worst(per_rank, "grad", grads))
+                       max_err_grad=worst_error(per_rank, "grad", grads))
 
 
 def _ce_problem(per_rank: list, tp: int, tokens: int, want: torch.Tensor, grads: list, logits: torch.Tensor,
@@ -761,12 +736,12 @@ def _ce_on_rank(fn: Callable, cases: list) -> list:
                 result["not_scalar"] = f"a tensor of shape {tuple(loss.shape)}{no_graph}"
             elif not scalar:
                 result["not_scalar"] = type(loss).__name__
-            if not _all_ok(scalar, group):
+            if not all_ranks_ok(scalar, group):
                 continue
             result["loss"] = loss.detach().clone()
             with recorded_collectives() as backward:
                 (upstream * loss).backward()
-            result.update(backward=backward, grad=_grad(local))
+            result.update(backward=backward, grad=grad_of(local))
     return out
 
 
@@ -834,7 +809,7 @@ def check_gather_from_sp(GatherFromSP: type) -> None:
     """Stretch. SP's way in: rank i holds tokens [i s/t, (i+1) s/t) of x, (b, s/t, h); y = the whole (b, s, h) on
     every rank, by one all-gather. Backward: rank i's gradient of y is partial (its features' term), so
     x_i.grad = its tokens of the sum over the ranks, by one reduce-scatter (sum)."""
-    _not_the_course_answer("check_gather_from_sp", GatherFromSP)
+    not_the_course_answer("check_gather_from_sp", GatherFromSP, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; y = GatherFromSP.apply(x_i, group), x_i rank i's s/t tokens; "
             "rank i backpropagates its own gradient g_i of the whole y. Expected: y = the x_i joined along the "
             "sequence (dim 1) in rank order, one all-gather forward; x_i.grad = tokens [i s/t, (i+1) s/t) of the "
@@ -883,10 +858,10 @@ def _gather_on_rank(GatherFromSP: type, shapes: list) -> list:
                 y = GatherFromSP.apply(x, group)
             result = {"forward": forward, "y": y.detach().clone()}
             out.append(result)
-            if _all_ok(tuple(y.shape) == shape and y.requires_grad, group):
+            if all_ranks_ok(tuple(y.shape) == shape and y.requires_grad, group):
                 with recorded_collectives() as backward:
                     (y * _sp_upstream(i, shape, seed).float()).sum().backward()
-                result.update(backward=backward, x_grad=_grad(x))
+                result.update(backward=backward, x_grad=grad_of(x))
     return out
 
 
@@ -894,7 +869,7 @@ def check_reduce_scatter_to_sp(ReduceScatterToSP: type) -> None:
     """Stretch. SP's way out: rank i holds a partial sum x_i, (b, s, h); y_i = tokens [i s/t, (i+1) s/t) of the sum
     over the ranks, (b, s/t, h), by one reduce-scatter (sum). Backward: every rank's x_i feeds all the tokens, so
     x_i.grad = all the ranks' gradients joined along the sequence, by one all-gather."""
-    _not_the_course_answer("check_reduce_scatter_to_sp", ReduceScatterToSP)
+    not_the_course_answer("check_reduce_scatter_to_sp", ReduceScatterToSP, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; y_i = ReduceScatterToSP.apply(x_i, group), x_i rank i's partial "
             "sum of the whole sequence; rank i backpropagates the gradient g_i of its own tokens. Expected: y_i = "
             "tokens [i s/t, (i+1) s/t) of the sum of the x_i, one reduce-scatter (sum) forward; x_i.grad = the g_i "
@@ -943,10 +918,10 @@ def _scatter_on_rank(ReduceScatterToSP: type, shapes: list) -> list:
                 y = ReduceScatterToSP.apply(x, group)
             result = {"forward": forward, "y": y.detach().clone()}
             out.append(result)
-            if _all_ok(y.shape == upstream.shape and y.requires_grad, group):
+            if all_ranks_ok(y.shape == upstream.shape and y.requires_grad, group):
                 with recorded_collectives() as backward:
                     (y * upstream).sum().backward()
-                result.update(backward=backward, x_grad=_grad(x))
+                result.update(backward=backward, x_grad=grad_of(x))
     return out
 
 
@@ -954,7 +929,7 @@ def check_sp_mlp(SequenceParallelMLP: type) -> None:
     """Stretch. SequenceParallelMLP(up, down, group) keeps rows of up's weight (up_weight, (ffn/t, h)) and columns of
     down's (down_weight, (h, ffn/t)); on this rank's tokens (b, s/t, h) it returns its tokens of the full MLP
     down(gelu(up(x))). One all-gather and one reduce-scatter each way; no all-reduce."""
-    _not_the_course_answer("check_sp_mlp", SequenceParallelMLP)
+    not_the_course_answer("check_sp_mlp", SequenceParallelMLP, course=PACKAGE)
     note = ("4 ranks as tp=4 and as 2 groups of tp=2; y_i = SequenceParallelMLP(up, down, group)(x_i), x_i rank i's "
             "s/t tokens of x; rank i backpropagates the gradient of its tokens. Compared with the full MLP in one "
             "process on all the tokens: y, x.grad, both weight gradients, each cut to what rank i holds")
@@ -1009,13 +984,13 @@ def _sp_mlp_on_rank(SequenceParallelMLP: type, cases: list) -> list:
         i = rank % tp
         for seed, (lead, hidden, ffn) in enumerate(cases):
             mlp = SequenceParallelMLP(_linear(ffn, hidden, seed, 0), _linear(hidden, ffn, seed, 1), group)
-            _not_the_course_answer("check_sp_mlp", mlp)
+            not_the_course_answer("check_sp_mlp", mlp, course=PACKAGE)
             result = {"up": _module_info(mlp, "up_weight"), "down": _module_info(mlp, "down_weight"),
                       "param_numel": sum(p.numel() for p in mlp.parameters())}
             out.append(result)
             shapes_ok = (_shape_ok(result["up"], (ffn // tp, hidden)) and _shape_ok(result["down"], (hidden, ffn // tp))
                          and result["param_numel"] == 2 * hidden * ffn // tp)
-            if not _all_ok(shapes_ok, group):
+            if not all_ranks_ok(shapes_ok, group):
                 continue
             x, upstream = _inputs(lead, hidden, hidden, seed)
             x = _tokens(x, i, tp).clone().requires_grad_()                # (b, s/t, h): this rank's tokens
@@ -1023,12 +998,12 @@ def _sp_mlp_on_rank(SequenceParallelMLP: type, cases: list) -> list:
             with recorded_collectives() as forward:
                 y = mlp(x)
             result.update(forward=forward, y=y.detach().clone())
-            if not _all_ok(y.shape == upstream.shape and y.requires_grad, group):
+            if not all_ranks_ok(y.shape == upstream.shape and y.requires_grad, group):
                 continue
             with recorded_collectives() as backward:
                 (y * upstream).sum().backward()
-            result.update(backward=backward, x_grad=_grad(x), up_grad=_grad(mlp.up_weight),
-                          down_grad=_grad(mlp.down_weight))
+            result.update(backward=backward, x_grad=grad_of(x), up_grad=grad_of(mlp.up_weight),
+                          down_grad=grad_of(mlp.down_weight))
     return out
 
 

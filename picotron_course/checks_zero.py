@@ -56,6 +56,7 @@ from picotron.config import ModelConfig
 from picotron_course import settings
 from picotron_course.checks import (Report, close_enough, close_in_training, max_abs_error, mismatch, on_ranks,
                                     one_thread, patched)
+from picotron_course.checks import not_the_course_answer
 from picotron.model import Llama, loss_fn
 
 __all__ = ["check_shard_range", "check_zero1", "check_zero3_forward", "check_zero3_training", "check_clip_grad_norm",
@@ -201,14 +202,6 @@ def _per_op(calls: list[Call]) -> dict[str, tuple[int, int]]:
     return {op: (n, nbytes) for op, (n, nbytes) in out.items()}
 
 
-def _not_the_course_answer(what: str, obj) -> None:
-    cls = obj if isinstance(obj, type) else type(obj)
-    if any(str(k.__module__).startswith(PACKAGE) for k in cls.__mro__):
-        raise AssertionError(f"{what}: {cls.__name__} comes from {PACKAGE}, the course's answer; write your own")
-
-
-
-
 # ---- the single-process reference -------------------------------------------------------------
 def _tokens(name: str, step: int, rank: int) -> torch.Tensor:
     """(BATCH_PER_RANK, SEQ + 1) tokens of one rank at one step; the parent rebuilds every rank's."""
@@ -337,7 +330,7 @@ def check_zero1(Zero1: type) -> None:
     """5 AdamW steps on 4 ranks: each rank's gradient shard is the mean over ranks of its slice, its
     optimizer holds state for 1/N of the parameters, one reduce-scatter of the flat gradients and
     one all-gather of the shards per step (no all-reduce), weights equal one process's."""
-    _not_the_course_answer("check_zero1", Zero1)
+    not_the_course_answer("check_zero1", Zero1, course=PACKAGE)
     note = (f"{WORLD} ranks, {ZERO1_STEPS} AdamW steps. Payload per step: the reduce-scatter takes the whole "
             "padded gradient buffer, the all-gather one shard (wire: (N-1)/N of the buffer each, together "
             "the 2(N-1)/N of data parallelism's all-reduce)")
@@ -372,7 +365,7 @@ def _zero1_on_rank(Zero1: type, names: list) -> list:
         model = _model(name)
         try:
             zero = Zero1(model, dist.group.WORLD, LR)
-            _not_the_course_answer("check_zero1", zero)
+            not_the_course_answer("check_zero1", zero, course=PACKAGE)
             losses, grads, comm, seen = [], [], [], []
             # param_shard.grad as the optimizer sees it, when step() calls it (step() may drop it afterwards)
             zero.optimizer.register_step_pre_hook(functools.partial(_grad_at_step, zero, seen))
@@ -521,7 +514,7 @@ def _build_units(Unit: type, model: Llama, guard: _Guard) -> list:
     units = []
     for label, module, params in unit_params(model):
         unit = Unit(module, params, dist.group.WORLD)
-        _not_the_course_answer("the ZeRO-3 check", unit)
+        not_the_course_answer("the ZeRO-3 check", unit, course=PACKAGE)
         guard.watch(label, module, params)
         units.append(unit)
     return units
@@ -545,7 +538,7 @@ def _shard_sizes(units: list) -> list[int]:
 def check_zero3_forward(Zero3Unit: type) -> None:
     """One forward on 4 ranks: each unit all-gathers its shard once before its module runs and frees
     the full parameters after; the logits equal one process's, and no full parameter is left."""
-    _not_the_course_answer("check_zero3_forward", Zero3Unit)
+    not_the_course_answer("check_zero3_forward", Zero3Unit, course=PACKAGE)
     note = (f"{WORLD} ranks, one forward; units: one per decoder layer + one for the rest of the model. "
             "'held after' is the memory behind the units' full parameters once forward returned: 0 when freed")
     with Report("Zero3Unit forward", note=note) as report:
@@ -628,7 +621,7 @@ def check_zero3_training(Zero3Unit: type) -> None:
     (over the whole step's batch), no full parameter or full gradient is left after any backward; per
     forward and backward 2 all-gathers and 1 reduce-scatter per unit, no all-reduce; losses and weights
     equal one process's."""
-    _not_the_course_answer("check_zero3_training", Zero3Unit)
+    not_the_course_answer("check_zero3_training", Zero3Unit, course=PACKAGE)
     note = (f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps over the units' shards, the last over {ACCUMULATE} "
             "micro-batches. Per forward and backward each unit all-gathers its shard twice and reduce-scatters its "
             "gradient once: the Playbook's 3 x Psi")
@@ -1139,8 +1132,8 @@ def check_zero3_prefetch(Zero3Unit: type, Zero3Prefetch: type) -> None:
     computed and before its own unit computes; backward in the reverse order of the forwards' ends; besides
     the outer unit at most 2 units holding full parameters at any moment, none when a pass returns. Logits,
     losses, gradient shards and weights equal one process's."""
-    _not_the_course_answer("check_zero3_prefetch", Zero3Unit)
-    _not_the_course_answer("check_zero3_prefetch", Zero3Prefetch)
+    not_the_course_answer("check_zero3_prefetch", Zero3Unit, course=PACKAGE)
+    not_the_course_answer("check_zero3_prefetch", Zero3Prefetch, course=PACKAGE)
     note = (f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps, the last over {ACCUMULATE} micro-batches; units: the outer "
             "one (embedding = LM head, norms), then each layer's attention and MLP. 'async' counts the all-gathers "
             "launched with async_op=True per forward and backward; 'most held' the units, besides the outer one, "
@@ -1180,7 +1173,7 @@ def _prefetch_on_rank(Zero3Unit: type, Zero3Prefetch: type, names: list) -> list
             layout = prefetch_units(model)
             units = [Unit(module, params, dist.group.WORLD) for _, module, params in layout]
             prefetch = Zero3Prefetch(units)
-            _not_the_course_answer("check_zero3_prefetch", prefetch)
+            not_the_course_answer("check_zero3_prefetch", prefetch, course=PACKAGE)
             timeline = _Timeline([label for label, _, _ in layout], units)
             timeline.watch_all([module for _, module, _ in layout])
 

@@ -341,7 +341,7 @@ WRONG_ANSWERS = [
     (check_all_to_all, (AllToAllSplitsSwapped,), "forward.*look swapped"),
     (check_all_to_all, (AllToAllIdentityBackward,), "made no collective: send each row's gradient back"),
     (check_all_to_all, (AllToAllWholeWorld,), "over 4 ranks, not the 2 of the group"),
-    (check_all_to_all, (_course_all_to_all(),), "the course's own code"),
+    (check_all_to_all, (_course_all_to_all(),), "the course's answer"),
     (check_dispatch, (dispatch_splits_swapped,), "look swapped"),
     (check_dispatch, (dispatch_no_counts_exchange,), "no exchange of the counts first"),
     (check_dispatch, (dispatch_even_splits,), "no exchange of the counts first"),
@@ -592,7 +592,7 @@ def test_capacity_wrong_answer_fails(answer, says, capsys):
 
 def test_capacity_refuses_the_course_code():
     from picotron.model import route
-    with pytest.raises(AssertionError, match="the course's own code"):
+    with pytest.raises(AssertionError, match="the course's answer"):
         check_capacity_moe(route)
 
 
