@@ -22,15 +22,17 @@ Checks run outside the learner's process. The grader runs the notebook in a fres
 each check cell replaced by one of its own that evaluates the call's arguments there (the learner's
 functions and classes, e.g. `ring_all_reduce` in `check_ring_all_reduce(ring_all_reduce)`) and sends
 them out with cloudpickle, by value, as `picotron.launch.run` sends a function to its ranks. After
-the notebook, each check runs in a fresh Python of its own that imports the check from the course's
-files and calls it on what was sent, under --cell-timeout (its process group killed past it). So
+the notebook, the checks run in a fresh Python the notebook never touched, one after another: it
+imports each check from the course's files and calls it on what was sent, under --cell-timeout (past
+it, the process is killed with its process group, and the next check gets a new one). So
 nothing the notebook does to its own process reaches a check: rebinding `check_x`, patching the
 check's module, or patching what checks use (`torch.allclose = lambda *a, **k: True`) changes
 only the kernel. A notebook that writes to the course's files is caught after it ran (grading
 stops, naming the notebook), before it can change the next learner's grade.
 
 What this does not catch: a learner's function is still the learner's code, and runs inside the
-check's process when the check calls it, so a function written to tamper with its caller can; a
+checks' process when a check calls it, so a function written to tamper with its caller (or with the
+notebook's next checks, which run in the same process) can; a
 function copied from someone else passes as it would for them. Read the code of a surprising pass,
 and grade a class in a throwaway copy of the course (a container), as a notebook can write
 anything the grader's user can.
@@ -46,6 +48,7 @@ import importlib.util
 import math
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -229,7 +232,7 @@ def _missing_requirements(assignment: str, module) -> None:
 def _export_cell(check: Check, path: Path):
     """The grader's cell in place of a check cell: evaluate the call's arguments in the learner's kernel and write
     them to `path` by value (picotron.pickling, as `run` sends a function to its ranks: the notebook's functions
-    and classes, and the values they use); the check itself runs later, in a process of its own (`_run_check`)."""
+    and classes, and the values they use); the check itself runs later, in a process of its own (`_CheckProcess`)."""
     call = _call_of(check.source, check.name)
     args = "".join(ast.unparse(a) + ", " for a in call.args)
     kwargs = ", ".join(f"{k.arg!r}: {ast.unparse(k.value)}" for k in call.keywords)
@@ -240,31 +243,64 @@ def _export_cell(check: Check, path: Path):
     return nbformat.v4.new_code_cell(source, metadata={"picotron_grader": check.name})
 
 
-def _run_check(check: Check, sent: Path, folder: Path, timeout: float, import_dirs: list[str]) -> tuple:
-    """Run the course's check on what the learner's kernel sent, in a fresh Python: (result, detail, seconds)."""
-    verdict = sent.with_suffix(".verdict")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(import_dirs + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    program = "import sys; from picotron_course.grade import _check_process; _check_process(*sys.argv[1:])"
-    started = time.monotonic()
-    with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen([sys.executable, "-c", program, check.module, check.name, str(sent), str(verdict)],
-                                   cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                   start_new_session=True)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the check's ranks and rank server with it
-            process.wait()
-            return "timeout", f"the check ran past its {timeout:g} s and was stopped", time.monotonic() - started
+class _CheckProcess:
+    """A fresh Python that runs a notebook's checks one after another, on what its kernel sent (`_check_loop`): a
+    process the notebook never touched, which imports torch and the checks once per notebook, not once per check.
+    A check past its time is stopped with the process (and its process group: the check's ranks); the next
+    check gets a new one."""
+
+    def __init__(self, folder: Path, import_dirs: list[str]):
+        self.folder, self.import_dirs, self.process = folder, import_dirs, None
+
+    def run(self, check: Check, sent: Path, timeout: float) -> tuple:
+        """(result, detail, seconds) of `check` on the arguments in `sent`."""
+        if self.process is None:
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(
+                self.import_dirs + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+            self.log = tempfile.TemporaryFile()
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from picotron_course.grade import _check_loop; _check_loop()"],
+                cwd=self.folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                start_new_session=True, text=True)
+        verdict = sent.with_suffix(".verdict")
+        started = time.monotonic()
+        self.process.stdin.write(f"{check.module}\t{check.name}\t{sent}\t{verdict}\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        answer = self.process.stdout.readline() if ready else None
         seconds = time.monotonic() - started
-        if not verdict.exists():
-            log.seek(0)
-            said = log.read().decode(errors="replace").strip().splitlines()
-            return "error", f"the check's process exited (code {process.returncode}): {said[-1] if said else ''}"[
-                :160], seconds
-    result, detail = verdict.read_text().split("\n", 1)
-    return result, detail, seconds
+        if answer is None:
+            self.close()
+            return "timeout", f"the check ran past its {timeout:g} s and was stopped", seconds
+        if not answer or not verdict.exists():
+            self.log.seek(0)
+            said = self.log.read().decode(errors="replace").strip().splitlines()
+            code = self.process.poll()
+            self.close()
+            return "error", f"the check's process exited (code {code}): {said[-1] if said else ''}"[:160], seconds
+        result, detail = verdict.read_text().split("\n", 1)
+        return result, detail, seconds
+
+    def close(self) -> None:
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)  # with the checks' ranks and rank servers
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+            self.log.close()
+            self.process = None
+
+
+def _check_loop() -> None:
+    """The check process: for each line "module, check, sent, verdict" on stdin, run the check, write its verdict
+    and say "done" on stdout (the grader's channel: what the checks print goes to stderr)."""
+    answers, sys.stdout = sys.stdout, sys.stderr
+    for line in sys.stdin:
+        _check_process(*line.rstrip("\n").split("\t"))
+        answers.write("done\n")
+        answers.flush()
 
 
 def _check_process(module: str, name: str, sent: str, verdict: str) -> None:
@@ -352,7 +388,7 @@ def grade(path: str | Path, assignment: str | None = None, root: str | Path | No
 def grade_notebook(path: str | Path, assignment: Assignment, cell_timeout: float = 300,
                    notebook_timeout: float | None = None, kernel_name: str = "python3") -> Graded:
     """Run `path` with each check cell it kept replaced by the grader's (which sends the check's arguments out),
-    then run each check in a process of its own, and score it."""
+    then run the checks in a process of their own, and score them."""
     path = Path(path)
     try:
         nb = nbformat.read(path, as_version=4)
@@ -362,6 +398,7 @@ def grade_notebook(path: str | Path, assignment: Assignment, cell_timeout: float
     cells = nb.cells
     found, static = _match_checks(cells, assignment.checks)
     outbox = Path(tempfile.mkdtemp(prefix="picotron-grade-"))
+    checks = _CheckProcess(path.parent, assignment.import_dirs)
     try:
         run_cells, origin, where = [], [], {}  # where: check index -> its cell's position in run_cells
         at_cell = {cell: k for k, cell in found.items()}
@@ -395,10 +432,10 @@ def grade_notebook(path: str | Path, assignment: Assignment, cell_timeout: float
                 result = "not done" if reply.get("ename") == "NotImplementedError" else "error"
                 results.append(CheckResult(check.name, cell, result, _error_text(reply)))
             else:
-                result, detail, seconds = _run_check(check, outbox / f"check-{k}.sent", path.parent, cell_timeout,
-                                                     assignment.import_dirs)
+                result, detail, seconds = checks.run(check, outbox / f"check-{k}.sent", cell_timeout)
                 results.append(CheckResult(check.name, cell, result, detail, seconds))
     finally:
+        checks.close()
         shutil.rmtree(outbox, ignore_errors=True)
     errors = [(origin[j] + 1, _error_text(replies[j])) for j in range(len(run_cells))
               if origin[j] not in at_cell and replies.get(j, {}).get("status") == "error"]

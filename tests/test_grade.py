@@ -227,6 +227,17 @@ def test_timeout_stops_a_notebook_that_sleeps_forever(course, tmp_path):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # the kernel is killed
 
 
+def test_a_check_past_its_time_is_stopped_and_the_next_check_runs(course, tmp_path):
+    nb = solved(course)
+    nb.cells[4].source = "def double(x):\n    import time\n    time.sleep(10 ** 6)"   # the check calls it: it hangs
+    write(nb, tmp_path / f"{TINY}.ipynb")
+    start = time.monotonic()
+    graded = grade(tmp_path / f"{TINY}.ipynb", root=course, cell_timeout=5)
+    assert time.monotonic() - start < 60
+    assert [(r.name, r.result) for r in graded.checks] == [("check_double", "timeout"), ("check_square", "passed")]
+    assert graded.checks[0].detail == "the check ran past its 5 s and was stopped"
+
+
 def test_errors_name_the_fix(course, tmp_path, capsys):
     """One line, exit status 2, no traceback."""
     (tmp_path / "empty").mkdir()
