@@ -359,6 +359,15 @@ def scaled_mm_runs(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, roww
     return out.dtype == out_dtype and bool(torch.allclose(out.float(), expected, rtol=eps, atol=eps))
 
 
+@torch.compiler.assume_constant_result
+def _scaled_mm_runs_here(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool,
+                         out_dtype: torch.dtype, bias: bool) -> bool:
+    # scaled_mm_runs for scaled_mm. torch.compile cannot trace its trial call (the answer depends on the data:
+    # "Unsupported: Data dependent operator"), and the cache around it is invisible to Dynamo; marked so,
+    # the compiler calls it once while tracing and keeps the answer as a constant of the graph.
+    return scaled_mm_runs(device, a_dtype, b_dtype, rowwise, out_dtype, bias)
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
               out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch._scaled_mm(a, b, scale_a=, scale_b=, bias=, out_dtype=) where this torch runs it here
@@ -372,7 +381,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
         raise ValueError(f"out_dtype={out_dtype}: scaled_mm returns a 16- or 32-bit float; quantize its output "
                          f"afterwards if an fp8 one is needed")
     rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
-    if scaled_mm_runs(str(a.device), a.dtype, b.dtype, rowwise, out_dtype, bias is not None):
+    if _scaled_mm_runs_here(str(a.device), a.dtype, b.dtype, rowwise, out_dtype, bias is not None):
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
     out = (fp8_to_float(a) * scale_a) @ (fp8_to_float(b) * scale_b)         # (M, N), fp32 accumulation
     return (out if bias is None else out + bias.float()).to(out_dtype)
