@@ -100,6 +100,8 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), kwargs: dict | None 
     """Call `fn(*args, **kwargs)` on `world_size` ranks and return the per-rank results.
 
     Arguments that cannot work are refused here, before any rank starts (see `_check_arguments`).
+    Tensors travel on the CPU both ways: a GPU tensor among the arguments arrives as a CPU copy (move it to the
+    rank's device in fn), and the results come back on the CPU, whatever the ranks' devices.
     When a rank raises, the exception the caller gets also carries the rank's own account of it:
     `.rank` (its number), `.rank_message` (its message, alone) and `.rank_traceback` (its traceback).
     """
@@ -422,7 +424,7 @@ class _NotConnected(Exception):
 
 def _pickle_task(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     try:
-        return pickling.dumps((fn, args, kwargs))
+        return pickling.dumps((fn, args, kwargs), tensors_on_cpu=True)
     except Exception as e:  # noqa: BLE001 - say what could not travel and what to do instead
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(f"run() cannot send {name} and its arguments to the ranks: {type(e).__name__}: {e}. "

@@ -25,8 +25,13 @@ import sys
 __all__ = ["dumps", "cell_sources", "code_with_file_name", "jit_again", "write", "read"]
 
 
-def dumps(obj) -> bytes:
-    """cloudpickle.dumps, keeping each code object's file name, with Triton kernels as their functions."""
+def dumps(obj, tensors_on_cpu: bool = False) -> bytes:
+    """cloudpickle.dumps, keeping each code object's file name, with Triton kernels as their functions.
+
+    tensors_on_cpu: every tensor travels as a CPU copy (requires_grad kept), so a GPU tensor can be sent to a
+    process that has no GPU, or other GPUs (the ranks: `run`'s arguments, `%ranks push`). Unpickled as it is,
+    a CUDA tensor would be rebuilt on its own device, and a rank that sees no GPU fails.
+    """
     import types
     from collections import ChainMap
 
@@ -34,11 +39,19 @@ def dumps(obj) -> bytes:
     reduce_code = cloudpickle.Pickler.dispatch_table[types.CodeType]
     kernels = [getattr(sys.modules.get(module), name, None) for module, name in
                (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction"))]
+    torch = sys.modules.get("torch")
+    on_cpu = {}
+    if tensors_on_cpu and torch is not None:
+        # A Parameter pickles its .data, a plain tensor, which comes through here too.
+        on_cpu[torch.Tensor] = lambda t: (t if t.device.type in ("cpu", "meta") else
+                                          t.detach().cpu().requires_grad_(t.requires_grad)).__reduce_ex__(
+            pickle.HIGHEST_PROTOCOL)
 
     class Pickler(cloudpickle.Pickler):
         dispatch_table = ChainMap(
             {types.CodeType: lambda code: (code_with_file_name, (*reduce_code(code)[:2], code.co_filename)),
-             **{kind: (lambda kernel: (jit_again, (kernel.fn,))) for kind in kernels if kind is not None}},
+             **{kind: (lambda kernel: (jit_again, (kernel.fn,))) for kind in kernels if kind is not None},
+             **on_cpu},
             cloudpickle.Pickler.dispatch_table)
 
     buffer = io.BytesIO()

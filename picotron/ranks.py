@@ -202,7 +202,7 @@ class Ranks:
         """Bind each name of `values` to its value on every rank of `targets` (a copy each)."""
         targets = self._targets(targets)
         try:
-            data = pickling.dumps(dict(values))
+            data = pickling.dumps(dict(values), tensors_on_cpu=True)
         except Exception as e:  # noqa: BLE001 - say what could not travel
             raise TypeError(f"cannot send {', '.join(values)} to the ranks: {type(e).__name__}: {e}. Send the "
                             "values it is built from, and build it in a %%ranks cell") from e

@@ -148,6 +148,24 @@ def test_cpu_ranks_never_see_a_gpu():
     assert run(visible, 2, backend="gloo") == [("", False)] * 2
 
 
+def test_tensors_travel_on_the_cpu():
+    """Arguments (and values a function closes over) made on the caller's GPU, where it has one, arrive on the
+    CPU, equal, leaf tensors with requires_grad kept and Parameters still Parameters: ranks that see no GPU
+    could not rebuild a CUDA tensor (an H200 showed it). The results come back on the CPU too."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.arange(6.0, device=device).reshape(2, 3)
+    weight = torch.nn.Parameter(torch.ones(3, device=device))
+    captured = torch.full((2,), 7.0, device=device)
+
+    def arrived(x, weight):
+        return ([(t.device.type, t.is_leaf, t.requires_grad) for t in (x, weight, captured)],
+                type(weight).__name__, x @ weight + captured.sum())
+
+    for devices, kind, value in run(arrived, 2, args=(x, weight), backend="gloo"):
+        assert devices == [("cpu", True, False), ("cpu", True, True), ("cpu", True, False)]
+        assert kind == "Parameter" and torch.equal(value, (x @ weight + captured.sum()).detach().cpu())
+
+
 def test_ranks_start_clean_after_autograd_and_cuda_in_the_caller():
     """The caller has run backward passes (and touched CUDA where there is one) and imported a
     module the ranks never asked for: the ranks still train, and start without that state."""

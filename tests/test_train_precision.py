@@ -58,7 +58,7 @@ def test_auto_precision_is_bf16_on_a_gpu_and_fp32_on_a_cpu():
 
 def test_bf16_runs_the_matmuls_in_bf16_and_keeps_fp32_master_weights_and_adam_state():
     trainer = Trainer(Config(model=MODEL, train=train_config("bf16")))
-    ids = torch.randint(0, MODEL.vocab_size, (2, 16))
+    ids = torch.randint(0, MODEL.vocab_size, (2, 16), device=trainer.device)   # the GPU, where there is one
     with trainer.autocast():
         assert trainer.model(ids).dtype == torch.bfloat16                     # the LM head's matmul ran in bf16
     trainer.train_step(0)

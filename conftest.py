@@ -1,0 +1,16 @@
+"""Under pytest-xdist (`pytest -n N`), the machine's cores are split between the N workers.
+
+Each torch process otherwise starts one thread per core: 12 workers on 16 cores ran 192 compute threads, and
+a test that takes one second alone took 500 (an H200 machine, 2026-11-28). OMP_NUM_THREADS, set before any
+test imports torch, also reaches what the workers start (notebook kernels, `python -m picotron.train`); the
+ranks of `picotron.launch.run` always use one thread each. A value already set is kept.
+"""
+
+import os
+import sys
+
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
