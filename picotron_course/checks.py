@@ -57,7 +57,7 @@ __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "clo
            "grad_of", "worst_error",
            "check_chunk_to_send", "check_reduce_scatter_phase", "check_all_gather_phase", "check_ring_all_reduce",
            "check_recursive_doubling_all_reduce", "check_hang_diagnosis", "gradient_per_micro_batch", "mean_gradient",
-           "shard", "first_weights", "batch_gradient", "FEATURES", "MICRO_BATCH", "HANG_SPLIT"]
+           "shard", "first_weights", "batch_gradient", "FEATURES", "MICRO_BATCH", "HANG_SPLIT", "raised"]
 
 # ---- small pieces the distributed checks share --------------------------------------------------------
 def all_ranks_ok(ok: bool, group) -> bool:
@@ -78,6 +78,16 @@ def worst_error(per_rank: list, key: str, wants: list) -> float:
     errors = [max_abs_error(r[key], want) if r.get(key) is not None else math.inf
               for r, want in zip(per_rank, wants) if key in r]
     return max(errors, default=math.nan)
+
+
+def raised(error: BaseException) -> tuple[str, str]:
+    """(type name, first line) of an exception an answer raised on a rank, with the fix where the cause is the
+    installed torch rather than the answer: gloo before torch 2.13 has no dist.all_to_all on lists."""
+    message = str(error).splitlines()[0] if str(error) else ""
+    if "does not support alltoall" in message:
+        message += (f" (gloo in torch {torch.__version__} has dist.all_to_all_single but not dist.all_to_all on "
+                    "lists, which torch 2.13 adds: join the pieces into one tensor and call all_to_all_single)")
+    return type(error).__name__, message
 
 
 # ---- an answer that is the course's own ------------------------------------------------------------

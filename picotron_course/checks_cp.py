@@ -70,7 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from picotron_course import settings
 from picotron_course.checks import (Report, close_enough, collectives_observed, mismatch, on_ranks, one_thread,
                                     only_point_to_point, patched, preview, rank_tensor, tensors_in)
-from picotron_course.checks import not_the_course_answer
+from picotron_course.checks import not_the_course_answer, raised
 
 __all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "check_mesh_2d",
            "check_attention_2d", "WORLD", "CP_SIZES", "HOP_TIMEOUT"]
@@ -968,7 +968,7 @@ def _attention_2d_on_rank(attention_2d: Callable, cases: list) -> list:
                                              "or a hop that never came, after "
                                              f"{[name for name, _, _ in calls]}, sending to {sends} and receiving "
                                              f"from {recvs}: every rank of a group must make the same calls") from None
-                    result["raised"] = (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    result["raised"] = raised(e)
                 else:
                     result["returned"] = type(got).__name__
                     if isinstance(got, torch.Tensor):
@@ -1010,11 +1010,10 @@ def _attention_2d_row(per_rank: list, u: int, r: int, seed: int, zigzag: bool, h
         if detail:
             continue
         where = f"rank {rank} (u={u}, r={r})"
-        detail = _traffic_2d_problem(result, rank, u, r, heads, kv_heads, a2a[rank], p2p[rank])
-        if detail:
+        if result["raised"] is not None:        # first: what it sent before it raised is cut short
+            detail = f"{where}: attention_2d raised {result['raised'][0]}: {result['raised'][1][:300]}"
+        elif detail := _traffic_2d_problem(result, rank, u, r, heads, kv_heads, a2a[rank], p2p[rank]):
             detail = f"{where}: {detail}"
-        elif result["raised"] is not None:
-            detail = f"{where}: attention_2d raised {result['raised'][0]}: {result['raised'][1][:200]}"
         elif got is None:
             detail = (f"{where}: attention_2d returned {result['returned']}; return this rank's output, one tensor "
                       "(batch, heads, s/cp, d)")
