@@ -1,7 +1,7 @@
 """Under pytest-xdist (`pytest -n N`), the machine's cores are split between the N workers.
 
-Each torch process otherwise starts one thread per core: 12 workers on 16 cores ran 192 compute threads, and
-a test that takes one second alone took 500 (an H200 machine, 2026-11-28). OMP_NUM_THREADS, set before any
+Each torch process otherwise starts one thread per core: 12 workers on 16 cores run 192 compute threads (on
+the H200 machine, 2026-11-28, a test that takes 0.9 s alone took 506 s among them). OMP_NUM_THREADS, set before any
 test imports torch, also reaches what the workers start (notebook kernels, `python -m picotron.train`); the
 ranks of `picotron.launch.run` always use one thread each. A value already set is kept.
 """

@@ -343,6 +343,14 @@ def scaled_mm_runs(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, roww
     """
     if _TORCH_SCALED_MM is None:
         return False
+    # The first call comes from a forward pass, often under the trainer's bf16 autocast, which would round the
+    # expected product to bf16 (and allclose refuses to compare it with the fp32 output): the trial is in fp32.
+    with torch.autocast(torch.device(device).type, enabled=False):
+        return _scaled_mm_trial(device, a_dtype, b_dtype, rowwise, out_dtype, bias)
+
+
+def _scaled_mm_trial(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool,
+                     out_dtype: torch.dtype, bias: bool) -> bool:
     grid = torch.arange(16 * 32, dtype=torch.float32, device=device).reshape(16, 32)
     a = ((grid * 7 % 9 - 4) / 2).to(a_dtype)                 # -2 .. 2 in steps of 1/2: exact in e4m3 and e5m2
     b = ((grid * 5 % 7 - 3) / 2).to(b_dtype).t()             # (32, 16) column-major

@@ -230,25 +230,35 @@ def test_the_scaled_mm_path_forced_on_cpu(recipe, monkeypatch):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_the_scaled_mm_path_compiles_in_one_graph(recipe, monkeypatch):
     """torch.compile(fullgraph=True) of a Float8Linear on the _scaled_mm path (forced on this CPU), forward and
-    backward: one graph, the same gradients as eager. The trial call deciding where _scaled_mm runs compares a
-    product with its expected value, which Dynamo cannot trace ("Data dependent operator": --compile --fp8 failed
-    on an H200 on 2026-11-28); it is a constant of the graph instead."""
+    backward, as the trainer runs it (--compile --fp8 --precision bf16): the first trial of _scaled_mm comes while
+    Dynamo traces, under bf16 autocast. One graph, and the gradients of eager. Both failed on an H200 on
+    2026-11-28: Dynamo traced the trial's comparison ("Data dependent operator"; the answer is now a constant of
+    the graph), then autocast rounded its expected product ("Float did not match BFloat16")."""
     _needs_cpu_scaled_mm(rowwise=recipe == "rowwise")
     monkeypatch.setattr(fp8, "has_fp8_matmul", lambda device: True)
-    torch._dynamo.reset()
     torch.manual_seed(0)
     layer = Float8Linear.from_linear(nn.Linear(256, 128, bias=False), recipe)
     x = torch.randn(64, 256)
 
-    def grads(module):
+    def grads(module, autocast):
         layer.weight.grad = None
         x_in = x.clone().requires_grad_()
-        module(x_in).pow(2).sum().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = module(x_in)
+        y.float().pow(2).sum().backward()
         return x_in.grad, layer.weight.grad.clone()
 
-    eager = grads(layer)
-    compiled = grads(torch.compile(layer, fullgraph=True))
-    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    for autocast in (True, False):
+        scaled_mm_runs.cache_clear()
+        torch._dynamo.reset()
+        compiled = grads(torch.compile(layer, fullgraph=True), autocast)   # the first trial: while tracing
+        eager = grads(layer, autocast)
+        if autocast:   # bf16 outputs, rounded where eager and the compiled graph round
+            for a, b in zip(compiled, eager):
+                tolerance.assert_close(a, b, n=256, dtype=torch.bfloat16)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    scaled_mm_runs.cache_clear()
     torch._dynamo.reset()
 
 
@@ -270,6 +280,17 @@ def test_scaled_mm_runs_on_this_cpu_with_both_scalings(fresh_scaled_mm_runs):
     calls_before = scaled_mm_runs.cache_info().misses
     scaled_mm_runs("cpu", E4M3, E4M3, True, torch.float32)
     assert scaled_mm_runs.cache_info().misses == calls_before          # tried once, then remembered
+
+
+def test_scaled_mm_runs_under_the_trainers_autocast(fresh_scaled_mm_runs):
+    """The first trial comes from a forward pass under bf16 autocast (the trainer's --precision bf16): same answer
+    as without it. Autocast once rounded the expected product to bf16 and allclose refused to compare
+    ("Float did not match BFloat16": --compile --fp8 on an H200, 2026-11-28)."""
+    combos = [(rowwise, out_dtype) for rowwise in (False, True) for out_dtype in (torch.float32, torch.bfloat16)]
+    plain = [scaled_mm_runs("cpu", E4M3, E4M3, rowwise, out_dtype) for rowwise, out_dtype in combos]
+    scaled_mm_runs.cache_clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert [scaled_mm_runs("cpu", E4M3, E4M3, rowwise, out_dtype) for rowwise, out_dtype in combos] == plain
 
 
 def test_scaled_mm_runs_sees_a_kernel_without_rowwise_scales(fresh_scaled_mm_runs, monkeypatch):
