@@ -388,7 +388,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     if out_dtype in FP8_DTYPES:
         raise ValueError(f"out_dtype={out_dtype}: scaled_mm returns a 16- or 32-bit float; quantize its output "
                          f"afterwards if an fp8 one is needed")
-    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    rowwise = scale_a.dim() > 0 or scale_b.dim() > 0      # shapes () or (M, 1), (1, N): known while tracing
     if _scaled_mm_runs_here(str(a.device), a.dtype, b.dtype, rowwise, out_dtype, bias is not None):
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
     out = (fp8_to_float(a) * scale_a) @ (fp8_to_float(b) * scale_b)         # (M, N), fp32 accumulation
