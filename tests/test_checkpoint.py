@@ -11,7 +11,6 @@ import torch.distributed.checkpoint as dcp
 
 from picotron import checkpoint
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from picotron_course.checks import one_thread
 from picotron.launch import run
 from picotron.mesh import Mesh
 from picotron.model import Llama
@@ -80,12 +79,10 @@ def resume(config: Config, path: str) -> dict:
 
 
 def on_ranks(fn, layout: str, *args):
-    """fn(config, *args) on the layout's ranks (rank 0's result), or in this process for one rank."""
+    """fn(config, *args) on the layout's ranks (rank 0's result), one rank included: gloo ranks on CPUs, so that
+    layouts compare bit for bit on any machine (in this process, a one-process run would take a GPU)."""
     config = config_of(layout)
-    if config.parallel.world_size == 1:
-        with one_thread():   # like each rank
-            return fn(config, *args)
-    return run(fn, config.parallel.world_size, args=(config, *args), timeout=120)[0]
+    return run(fn, config.parallel.world_size, args=(config, *args), timeout=120, backend="gloo")[0]
 
 
 @pytest.fixture(scope="module")

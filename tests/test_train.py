@@ -57,8 +57,8 @@ def test_data_parallel_equals_one_process(dp, accum, steps, bucket_mb, recompute
     single = Config(model=SMALL, train=dataclasses.replace(train, micro_batch_size=2 * dp))
 
     # The one process runs where the ranks run: here it would take the GPU, which the gloo ranks leave alone.
-    [(reference, windows)] = run(record, 1, args=(single, steps), timeout=120)
-    ranks = run(record, dp, args=(parallel, steps, reference), timeout=120)
+    [(reference, windows)] = run(record, 1, args=(single, steps), timeout=120, backend="gloo")
+    ranks = run(record, dp, args=(parallel, steps, reference), timeout=120, backend="gloo")
 
     for rank, (result, _) in enumerate(ranks):   # every rank: the global loss and the gradients of every step,
         result.assert_equal(f"rank {rank} of dp={dp}")   # the weights after them

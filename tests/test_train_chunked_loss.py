@@ -56,8 +56,8 @@ def test_ranks_with_the_chunked_loss_equal_one_process_with_the_whole_logits(par
     chunked = Config(model=dataclasses.replace(SMALL, loss_impl="chunked", loss_chunk_tokens=16),
                      parallel=parallel, train=TRAIN)
     single = Config(model=SMALL, train=dataclasses.replace(TRAIN, micro_batch_size=TRAIN.micro_batch_size * parallel.dp))
-    ranks = run(losses_and_weights, parallel.world_size, args=(chunked, 4), timeout=120)
-    reference = losses_and_weights(single, 4)
+    ranks = run(losses_and_weights, parallel.world_size, args=(chunked, 4), timeout=120, backend="gloo")
+    [reference] = run(losses_and_weights, 1, args=(single, 4), timeout=120, backend="gloo")   # where the ranks run
     for rank in ranks:
         assert_same_training(rank, reference)
 
