@@ -54,7 +54,7 @@ from picotron.launch import device, run
 __all__ = ["Report", "CollectiveNotAllowed", "rank_tensor", "close_enough", "close_in_training", "max_abs_error",
            "mismatch", "on_ranks", "one_thread", "patched", "collective_patches", "collectives_observed", "payload_of",
            "tensors_in", "only_point_to_point", "watch_calls", "refusing", "not_the_course_answer", "all_ranks_ok",
-           "grad_of", "worst_error",
+           "grad_of", "worst_error", "reduce_name",
            "check_chunk_to_send", "check_reduce_scatter_phase", "check_all_gather_phase", "check_ring_all_reduce",
            "check_recursive_doubling_all_reduce", "check_hang_diagnosis", "gradient_per_micro_batch", "mean_gradient",
            "shard", "first_weights", "batch_gradient", "FEATURES", "MICRO_BATCH", "HANG_SPLIT", "raised"]
@@ -300,9 +300,11 @@ def collective_patches(wrap: Callable[[str, Callable], Callable]) -> list[tuple[
 
 
 @contextmanager
-def collectives_observed(on_call: Callable[[str, dict], None]) -> Iterator[None]:
+def collectives_observed(on_call: Callable[[str, dict], None],
+                         after: Callable[[str, dict, object], object] | None = None) -> Iterator[None]:
     """Inside the block, `on_call(name, arguments)` runs before every collective (and send) this rank
-    makes, with the call's arguments bound to their parameter names.
+    makes, with the call's arguments bound to their parameter names; `after(name, arguments, result)`, when
+    given, once it returned, and the caller gets what `after` returns (a handle that notes its wait, say).
 
     A call made inside another (torch's deprecated names call the new ones) is seen once; a call
     whose arguments do not bind goes to torch untouched, for torch to say what is wrong.
@@ -323,13 +325,24 @@ def collectives_observed(on_call: Callable[[str, dict], None]) -> Iterator[None]
             on_call(name, arguments)
             busy[0] = True
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 busy[0] = False
+            return result if after is None else after(name, arguments, result)
         return observed
 
     with patched(collective_patches(wrap)):
         yield
+
+
+def reduce_name(op) -> str:
+    """"sum", "avg", ... for a dist.ReduceOp; "" for None."""
+    if op is None:
+        return ""
+    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
+        if op == getattr(dist.ReduceOp, name):
+            return name.lower()
+    return str(op)
 
 
 def payload_of(name: str, arguments: dict) -> torch.Tensor | None:

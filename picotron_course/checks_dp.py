@@ -22,7 +22,6 @@ asynchronous, and whether its handle was waited for.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from contextlib import contextmanager, nullcontext
@@ -31,13 +30,12 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from picotron import tolerance
 from picotron.config import ModelConfig
-from picotron_course.checks import (Report, close_enough, close_in_training, max_abs_error, mismatch, on_ranks,
-                                    one_thread, rank_tensor, watch_calls)
+from picotron_course.checks import (Report, close_enough, close_in_training, collectives_observed, max_abs_error,
+                                    mismatch, on_ranks, one_thread, rank_tensor, watch_calls)
 from picotron_course.checks import not_the_course_answer
 from picotron.model import Llama, loss_fn
 
@@ -80,25 +78,20 @@ class _RecordedWork:
 
 @contextmanager
 def recorded_all_reduces() -> Iterator[list[AllReduceCall]]:
-    """Inside the block, every dist.all_reduce call is appended to the yielded list."""
+    """Inside the block, every dist.all_reduce call is appended to the yielded list (checks.collectives_observed)."""
     calls: list[AllReduceCall] = []
-    original = c10d.all_reduce
 
-    @functools.wraps(original)
-    def recorded(tensor, *args, async_op=False, **kwargs):
-        call = AllReduceCall(tensor, async_op)
-        calls.append(call)
-        work = original(tensor, *args, async_op=async_op, **kwargs)
-        return _RecordedWork(work, call) if work is not None else None
+    def record(name: str, arguments: dict) -> None:
+        if name == "all_reduce":
+            calls.append(AllReduceCall(arguments["tensor"], bool(arguments.get("async_op", False))))
 
-    dist.all_reduce = c10d.all_reduce = recorded
-    try:
+    def after(name: str, arguments: dict, work):
+        return _RecordedWork(work, calls[-1]) if name == "all_reduce" and work is not None else work
+
+    with collectives_observed(record, after):
         yield calls
-    finally:
-        dist.all_reduce = c10d.all_reduce = original
 
 
-# ---- 1. grad_views ---------------------------------------------------------------------------
 VIEW_CASES = [([(3, 4), (5,), (2, 3, 2)], torch.float32), ([(7,)], torch.float32),
               ([(1,), (4, 4), (6,)], torch.float64)]
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from picotron_course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
                                     on_ranks, payload_of, rank_tensor)
-from picotron_course.checks import all_ranks_ok, grad_of, not_the_course_answer, worst_error
+from picotron_course.checks import all_ranks_ok, grad_of, not_the_course_answer, reduce_name, worst_error
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "check_vocab_parallel_cross_entropy", "check_gather_from_sp", "check_reduce_scatter_to_sp",
@@ -98,20 +98,13 @@ def recorded_collectives() -> Iterator[list[Call]]:
     def record(name: str, arguments: dict) -> None:
         op = name.strip("_").removesuffix("_base")
         payload = payload_of(op, arguments)
-        reduce = _reduce_name(arguments.get("op", dist.ReduceOp.SUM)) if name in _REDUCING else ""
+        reduce = reduce_name(arguments.get("op", dist.ReduceOp.SUM)) if name in _REDUCING else ""
         group_size = dist.get_world_size(arguments.get("group"))
         calls.append(Call(op, 0 if payload is None else payload.numel(),
                           0 if payload is None else payload.numel() * payload.element_size(), reduce, group_size))
 
     with collectives_observed(record):
         yield calls
-
-
-def _reduce_name(op) -> str:
-    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
-        if op == getattr(dist.ReduceOp, name):
-            return name.lower()
-    return str(op)
 
 
 def describe(calls: list[Call], tp: int | None = None) -> str:
@@ -341,9 +334,9 @@ def _weight_problem(per_rank: list, wants: list, tp: int, kind: str, key: str = 
     for rank, (result, want) in enumerate(zip(per_rank, wants)):
         info = result[key]
         rows = kind == "column"
-        keeps = (f"rows [i*out/t, (i+1)*out/t) of linear.weight, shape (out/t, in): nn.Linear stores W as "
+        keeps = ("rows [i*out/t, (i+1)*out/t) of linear.weight, shape (out/t, in): nn.Linear stores W as "
                  "(out_features, in_features), so its output features are the rows" if rows else
-                 f"columns [i*in/t, (i+1)*in/t) of linear.weight, shape (out, in/t): nn.Linear stores W as "
+                 "columns [i*in/t, (i+1)*in/t) of linear.weight, shape (out, in/t): nn.Linear stores W as "
                  "(out_features, in_features), so its input features are the columns")
         if info["weight"] is None:
             return f"rank {rank}: {name} is missing; keep this rank's shard there as an nn.Parameter"
@@ -550,7 +543,7 @@ def _one_call_problem(per_rank: list, key: str, tp: int, nbytes: int, why: str) 
 
 
 def _mlp_on_rank(Column: type, Row: type, cases: list) -> list:
-    rank, out = dist.get_rank(), []
+    out = []
     for tp, group in _groups():
         for seed, (lead, hidden, ffn) in enumerate(cases):
             column = Column(_linear(ffn, hidden, seed, 0), group)

@@ -39,7 +39,6 @@ a unit that computes before its all-gather's handle was waited or that is freed 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import operator
 from contextlib import contextmanager
@@ -48,14 +47,13 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from picotron import tolerance
 from picotron.config import ModelConfig
 from picotron_course import settings
-from picotron_course.checks import (Report, close_enough, close_in_training, max_abs_error, mismatch, on_ranks,
-                                    one_thread, patched)
+from picotron_course.checks import (Report, close_enough, close_in_training, collectives_observed, max_abs_error,
+                                    mismatch, on_ranks, one_thread, patched, reduce_name)
 from picotron_course.checks import not_the_course_answer
 from picotron.model import Llama, loss_fn
 
@@ -110,63 +108,34 @@ _RECORDED = {
 
 @contextmanager
 def recorded_collectives(observe: Callable | None = None) -> Iterator[list[Call]]:
-    """Inside the block, every collective this rank calls is appended to the yielded list.
-
-    torch.distributed's deprecated names call the new ones: only the outer call is recorded.
+    """Inside the block, every collective this rank calls is appended to the yielded list (checks.collectives_observed:
+    torch.distributed's deprecated names call the new ones, and only the outer call is recorded).
     observe(call, output, result), when given, sees each call once it returned (`output`: the tensor an
     all-gather or a reduce-scatter wrote, else None) and returns what the caller gets in place of `result`.
     """
-    import picotron.comm as comm
-
     calls: list[Call] = []
-    busy = [False]
 
-    def wrap(name: str, original: Callable) -> Callable:
+    def record(name: str, arguments: dict) -> None:
+        if name not in _RECORDED:
+            return
         op, payload_at, output_at = _RECORDED[name]
-        signature = inspect.signature(original)
-        names = list(signature.parameters)
+        names = list(arguments)          # bound in the signature's order: the tensors come first
+        payload = arguments[names[payload_at]]
+        tensors = payload if isinstance(payload, (list, tuple)) else [payload]
+        if output_at is not None:
+            _refuse_misuse(op, arguments[names[output_at]], payload, arguments.get("group"))
+        reduce = arguments.get("op", dist.ReduceOp.SUM) if op in ("all_reduce", "reduce", "reduce_scatter") else None
+        calls.append(Call(op, sum(t.numel() * t.element_size() for t in tensors), reduce_name(reduce),
+                          sum(t.numel() for t in tensors), bool(arguments.get("async_op", False))))
 
-        @functools.wraps(original)
-        def recorded(*args, **kwargs):
-            if busy[0]:
-                return original(*args, **kwargs)
-            arguments = signature.bind(*args, **kwargs).arguments
-            payload = arguments[names[payload_at]]
-            tensors = payload if isinstance(payload, (list, tuple)) else [payload]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            numel = sum(t.numel() for t in tensors)
-            if output_at is not None:
-                _refuse_misuse(op, arguments[names[output_at]], payload, arguments.get("group"))
-            reduce = arguments.get("op", dist.ReduceOp.SUM) if op in ("all_reduce", "reduce", "reduce_scatter") else None
-            call = Call(op, nbytes, _reduce_name(reduce), numel, bool(arguments.get("async_op", False)))
-            calls.append(call)
-            busy[0] = True
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                busy[0] = False
-            if observe is not None:
-                result = observe(call, arguments[names[output_at]] if output_at is not None else None, result)
+    def after(name: str, arguments: dict, result):
+        if observe is None or name not in _RECORDED:
             return result
-        return recorded
+        output_at = _RECORDED[name][2]
+        return observe(calls[-1], arguments[list(arguments)[output_at]] if output_at is not None else None, result)
 
-    patches = [(module, name, wrap(name, getattr(module, name))) for name in _RECORDED
-               for module in (dist, c10d) if hasattr(module, name)]
-    # picotron.comm holds the collectives it calls under its own names: record those too.
-    patches += [(comm, short, wrap(name, getattr(comm, short)))
-                for short, name in (("_all_gather_single", "all_gather_into_tensor"),
-                                    ("_reduce_scatter_single", "reduce_scatter_tensor")) if hasattr(comm, short)]
-    with patched(patches):
+    with collectives_observed(record, after):
         yield calls
-
-
-def _reduce_name(op) -> str:
-    if op is None:
-        return ""
-    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
-        if op == getattr(dist.ReduceOp, name):
-            return name.lower()
-    return str(op)
 
 
 def _refuse_misuse(op: str, output: torch.Tensor, input: torch.Tensor, group) -> None:
