@@ -389,7 +389,33 @@ class SentBytes:
 
     def __init__(self) -> None:
         self.bytes = 0
-        self._in_send = False  # dist.send may call dist.isend itself: count it once
+
+    def add(self, nbytes: int) -> None:
+        self.bytes += nbytes
+
+
+def _sends_counted(on_send: Callable[[int], None]) -> list[tuple[object, str, Callable]]:
+    """Patches (for `patched`) calling on_send(bytes) for each message this rank sends with send or isend (a send
+    that calls isend counts once), in torch.distributed and its c10d module, as P2POp checks its op by identity."""
+    isend, send, in_send = c10d.isend, c10d.send, [False]
+
+    @functools.wraps(isend)
+    def counted_isend(tensor, *args, **kwargs):
+        if not in_send[0]:
+            on_send(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+
+    @functools.wraps(send)
+    def counted_send(tensor, *args, **kwargs):
+        on_send(tensor.numel() * tensor.element_size())
+        in_send[0] = True
+        try:
+            return send(tensor, *args, **kwargs)
+        finally:
+            in_send[0] = False
+
+    return [(module, name, new) for module in (dist, c10d) for name, new in (("isend", counted_isend),
+                                                                                ("send", counted_send))]
 
 
 @contextmanager
@@ -405,22 +431,6 @@ def only_point_to_point(what: str, answers: tuple[str, ...] = ()) -> Iterator[Se
     import picotron.comm as comm
 
     sent = SentBytes()
-    isend, send = c10d.isend, c10d.send
-
-    @functools.wraps(isend)
-    def counted_isend(tensor, *args, **kwargs):
-        if not sent._in_send:
-            sent.bytes += tensor.numel() * tensor.element_size()
-        return isend(tensor, *args, **kwargs)
-
-    @functools.wraps(send)
-    def counted_send(tensor, *args, **kwargs):
-        sent.bytes += tensor.numel() * tensor.element_size()
-        sent._in_send = True
-        try:
-            return send(tensor, *args, **kwargs)
-        finally:
-            sent._in_send = False
 
     def forbidden(name: str, why: str = "the collective") -> Callable:
         def call(*args, **kwargs):
@@ -435,9 +445,7 @@ def only_point_to_point(what: str, answers: tuple[str, ...] = ()) -> Iterator[Se
                 for name in ("_all_gather_single", "_reduce_scatter_single") if hasattr(comm, name)]
     patches += [(comm, name, forbidden(f"picotron.comm.{name}", "the course's own answer,"))
                 for name in answers if hasattr(comm, name)]
-    patches += [(module, "isend", counted_isend) for module in (dist, c10d)]
-    patches += [(module, "send", counted_send) for module in (dist, c10d)]
-    with patched(patches):
+    with patched(patches + _sends_counted(sent.add)):
         yield sent
 
 
@@ -705,29 +713,9 @@ def _doubling_refusal_on_rank(fn: Callable) -> str:
 
 @contextmanager
 def _messages_sent() -> Iterator[list[int]]:
-    """Inside the block, the bytes of each message this rank sends, one entry per send or isend (a send that
-    calls isend counts once). Patches torch.distributed and its c10d module with one function each, as
-    P2POp checks its op by identity."""
-    sizes, in_send = [], [False]
-    isend, send = c10d.isend, c10d.send
-
-    @functools.wraps(isend)
-    def counted_isend(tensor, *args, **kwargs):
-        if not in_send[0]:
-            sizes.append(tensor.numel() * tensor.element_size())
-        return isend(tensor, *args, **kwargs)
-
-    @functools.wraps(send)
-    def counted_send(tensor, *args, **kwargs):
-        sizes.append(tensor.numel() * tensor.element_size())
-        in_send[0] = True
-        try:
-            return send(tensor, *args, **kwargs)
-        finally:
-            in_send[0] = False
-
-    with patched([(module, name, new) for module in (dist, c10d)
-                  for name, new in (("isend", counted_isend), ("send", counted_send))]):
+    """Inside the block, the bytes of each message this rank sends, one entry per send or isend."""
+    sizes: list[int] = []
+    with patched(_sends_counted(sizes.append)):
         yield sizes
 
 
