@@ -153,6 +153,9 @@ class Report:
     rank's crash) goes through untouched and no table is printed.
     """
 
+    # (title, number of cases) of every table finished in this process: what the tests of the checks count
+    finished: list[tuple[str, int]] = []
+
     def __init__(self, title: str, note: str = ""):
         self.title, self.note = title, note
         self.rows: list[tuple[dict, bool, str]] = []
@@ -182,6 +185,7 @@ class Report:
         return "\n".join([title, *([self.note] if self.note else []), *lines])
 
     def finish(self) -> None:
+        Report.finished.append((self.title, len(self.rows)))
         print(self.table())
         failed = [(columns, detail) for columns, ok, detail in self.rows if not ok]
         for columns, detail in failed[:4]:
