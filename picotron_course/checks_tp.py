@@ -185,6 +185,37 @@ def _group_rank_note(tp: int, rank: int) -> str:
     return ""
 
 
+# ---- the region functions (f, g and SP's two), on the ranks --------------------------------------
+# Per function: rank i's input x_i and the gradient g_i it backpropagates into y, from (i, tp, shape, seed).
+_REGION_INPUTS = {
+    "f": lambda i, tp, shape, seed: (rank_tensor(0, shape, FP32, seed), _upstream(i, shape, seed).float()),
+    "g": lambda i, tp, shape, seed: (_partial(i, shape, seed).float(), rank_tensor(30, shape, FP32, seed)),
+    "gather": lambda i, tp, shape, seed: (_tokens(_sp_input(shape, seed), i, tp).float(),      # (b, s/t, h)
+                                          _sp_upstream(i, shape, seed).float()),
+    "scatter": lambda i, tp, shape, seed: (_sp_upstream(i, shape, seed).float(),              # a partial sum
+                                           _tokens(_sp_input(shape, seed), i, tp).float()),
+}
+
+
+def _region_on_rank(Fn: type, kind: str, shapes: list) -> list:
+    """y = Fn.apply(x_i, group), then backward from g_i (when every rank's y has g_i's shape and needs grad),
+    each with the collectives it made."""
+    rank, out = dist.get_rank(), []
+    for tp, group in _groups():
+        for seed, shape in enumerate(shapes):
+            x, upstream = _REGION_INPUTS[kind](rank % tp, tp, shape, seed)
+            x = x.clone().requires_grad_()
+            with recorded_collectives() as forward:
+                y = Fn.apply(x, group)
+            result = {"forward": forward, "y": y.detach().clone()}
+            out.append(result)
+            if all_ranks_ok(y.shape == upstream.shape and y.requires_grad, group):
+                with recorded_collectives() as backward:
+                    (y * upstream).sum().backward()
+                result.update(backward=backward, x_grad=grad_of(x))
+    return out
+
+
 # ---- 1. f and g ------------------------------------------------------------------------------
 def check_copy_to_tp(CopyToTP: type) -> None:
     """f: y = x on every rank with no communication; in backward, one all-reduce (sum) over the tp group
@@ -194,7 +225,7 @@ def check_copy_to_tp(CopyToTP: type) -> None:
             "rank i backpropagates its own gradient g_i of y. Expected: y = x, no communication forward; "
             "x.grad = sum of the g_i, one all-reduce (sum) backward")
     with Report("CopyToTP (f)", note=note) as report:
-        results = on_ranks(_copy_on_rank, WORLD, CopyToTP, REGION_SHAPES)
+        results = on_ranks(_region_on_rank, WORLD, CopyToTP, "f", REGION_SHAPES)
         for c, (tp, seed, shape) in enumerate(_cases(REGION_SHAPES)):
             per_rank = [r[c] for r in results]
             x = rank_tensor(0, shape, FP32, seed).double()
@@ -220,22 +251,6 @@ def _upstream(i: int, shape: tuple, seed: int) -> torch.Tensor:
     return rank_tensor(10 + i, shape, FP32, seed).double()
 
 
-def _copy_on_rank(CopyToTP: type, shapes: list) -> list:
-    rank, out = dist.get_rank(), []
-    for tp, group in _groups():
-        for seed, shape in enumerate(shapes):
-            x = rank_tensor(0, shape, FP32, seed).requires_grad_()
-            with recorded_collectives() as forward:
-                y = CopyToTP.apply(x, group)
-            result = {"forward": forward, "y": y.detach().clone()}
-            if all_ranks_ok(y.shape == x.shape and y.requires_grad, group):
-                with recorded_collectives() as backward:
-                    (y * _upstream(rank % tp, shape, seed).float()).sum().backward()
-                result.update(backward=backward, x_grad=grad_of(x))
-            out.append(result)
-    return out
-
-
 def check_reduce_from_tp(ReduceFromTP: type) -> None:
     """g: y = the sum of every rank's x, by one all-reduce (sum) over the tp group; in backward, no
     communication: x.grad = y's gradient, which every rank holds whole."""
@@ -244,7 +259,7 @@ def check_reduce_from_tp(ReduceFromTP: type) -> None:
             "rank; every rank backpropagates the same gradient g of y. Expected: y = sum of the x_i, one all-reduce "
             "(sum) forward; x_i.grad = g, no communication backward")
     with Report("ReduceFromTP (g)", note=note) as report:
-        results = on_ranks(_reduce_on_rank, WORLD, ReduceFromTP, REGION_SHAPES)
+        results = on_ranks(_region_on_rank, WORLD, ReduceFromTP, "g", REGION_SHAPES)
         for c, (tp, seed, shape) in enumerate(_cases(REGION_SHAPES)):
             per_rank = [r[c] for r in results]
             total = sum(_partial(i, shape, seed) for i in range(tp))
@@ -278,22 +293,6 @@ def check_reduce_from_tp(ReduceFromTP: type) -> None:
 def _partial(i: int, shape: tuple, seed: int) -> torch.Tensor:
     """Rank i's partial sum, the input of g."""
     return rank_tensor(20 + i, shape, FP32, seed).double()
-
-
-def _reduce_on_rank(ReduceFromTP: type, shapes: list) -> list:
-    rank, out = dist.get_rank(), []
-    for tp, group in _groups():
-        for seed, shape in enumerate(shapes):
-            x = _partial(rank % tp, shape, seed).float().requires_grad_()
-            with recorded_collectives() as forward:
-                y = ReduceFromTP.apply(x, group)
-            result = {"forward": forward, "y": y.detach().clone()}
-            if all_ranks_ok(y.shape == x.shape and y.requires_grad, group):
-                with recorded_collectives() as backward:
-                    (y * rank_tensor(30, shape, FP32, seed)).sum().backward()
-                result.update(backward=backward, x_grad=grad_of(x))
-            out.append(result)
-    return out
 
 
 # ---- 2-4. column- and row-parallel linears, and the MLP they make ---------------------------------
@@ -808,7 +807,7 @@ def check_gather_from_sp(GatherFromSP: type) -> None:
             "sequence (dim 1) in rank order, one all-gather forward; x_i.grad = tokens [i s/t, (i+1) s/t) of the "
             "sum of the g_i, one reduce-scatter (sum) backward")
     with Report("GatherFromSP (all-gather the sequence)", note=note) as report:
-        results = on_ranks(_gather_on_rank, WORLD, GatherFromSP, SP_SHAPES)
+        results = on_ranks(_region_on_rank, WORLD, GatherFromSP, "gather", SP_SHAPES)
         for c, (tp, seed, shape) in enumerate(_cases(SP_SHAPES)):
             per_rank = [r[c] for r in results]
             whole = _sp_input(shape, seed)
@@ -841,23 +840,6 @@ def _sp_upstream(i: int, shape: tuple, seed: int) -> torch.Tensor:
     return rank_tensor(50 + i, shape, FP32, seed).double()
 
 
-def _gather_on_rank(GatherFromSP: type, shapes: list) -> list:
-    rank, out = dist.get_rank(), []
-    for tp, group in _groups():
-        i = rank % tp
-        for seed, shape in enumerate(shapes):
-            x = _tokens(_sp_input(shape, seed), i, tp).float().clone().requires_grad_()   # (b, s/t, h)
-            with recorded_collectives() as forward:
-                y = GatherFromSP.apply(x, group)
-            result = {"forward": forward, "y": y.detach().clone()}
-            out.append(result)
-            if all_ranks_ok(tuple(y.shape) == shape and y.requires_grad, group):
-                with recorded_collectives() as backward:
-                    (y * _sp_upstream(i, shape, seed).float()).sum().backward()
-                result.update(backward=backward, x_grad=grad_of(x))
-    return out
-
-
 def check_reduce_scatter_to_sp(ReduceScatterToSP: type) -> None:
     """Stretch. SP's way out: rank i holds a partial sum x_i, (b, s, h); y_i = tokens [i s/t, (i+1) s/t) of the sum
     over the ranks, (b, s/t, h), by one reduce-scatter (sum). Backward: every rank's x_i feeds all the tokens, so
@@ -868,7 +850,7 @@ def check_reduce_scatter_to_sp(ReduceScatterToSP: type) -> None:
             "tokens [i s/t, (i+1) s/t) of the sum of the x_i, one reduce-scatter (sum) forward; x_i.grad = the g_i "
             "joined along the sequence (dim 1), one all-gather backward")
     with Report("ReduceScatterToSP (reduce-scatter the sequence)", note=note) as report:
-        results = on_ranks(_scatter_on_rank, WORLD, ReduceScatterToSP, SP_SHAPES)
+        results = on_ranks(_region_on_rank, WORLD, ReduceScatterToSP, "scatter", SP_SHAPES)
         for c, (tp, seed, shape) in enumerate(_cases(SP_SHAPES)):
             per_rank = [r[c] for r in results]
             total = sum(_sp_upstream(i, shape, seed) for i in range(tp))
@@ -898,24 +880,6 @@ def check_reduce_scatter_to_sp(ReduceScatterToSP: type) -> None:
                        **{"forward comm": describe(per_rank[0].get("forward", []), tp),
                           "backward comm": describe(per_rank[0].get("backward", []), tp)},
                        max_err=_max_err(per_rank, [("y", ys), ("x_grad", [upstream] * WORLD)]))
-
-
-def _scatter_on_rank(ReduceScatterToSP: type, shapes: list) -> list:
-    rank, out = dist.get_rank(), []
-    for tp, group in _groups():
-        i = rank % tp
-        for seed, shape in enumerate(shapes):
-            x = _sp_upstream(i, shape, seed).float().requires_grad_()                    # (b, s, h): a partial sum
-            upstream = _tokens(_sp_input(shape, seed), i, tp).float()                    # (b, s/t, h)
-            with recorded_collectives() as forward:
-                y = ReduceScatterToSP.apply(x, group)
-            result = {"forward": forward, "y": y.detach().clone()}
-            out.append(result)
-            if all_ranks_ok(y.shape == upstream.shape and y.requires_grad, group):
-                with recorded_collectives() as backward:
-                    (y * upstream).sum().backward()
-                result.update(backward=backward, x_grad=grad_of(x))
-    return out
 
 
 def check_sp_mlp(SequenceParallelMLP: type) -> None:
