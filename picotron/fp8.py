@@ -367,13 +367,24 @@ def _scaled_mm_trial(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, ro
     return out.dtype == out_dtype and bool(torch.allclose(out.float(), expected, rtol=eps, atol=eps))
 
 
-@torch.compiler.assume_constant_result
 def _scaled_mm_runs_here(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool,
                          out_dtype: torch.dtype, bias: bool) -> bool:
     # scaled_mm_runs for scaled_mm. torch.compile cannot trace its trial call (the answer depends on the data:
-    # "Unsupported: Data dependent operator"), and the cache around it is invisible to Dynamo; marked so,
-    # the compiler calls it once while tracing and keeps the answer as a constant of the graph.
+    # "Unsupported: Data dependent operator"), and the cache around it is invisible to Dynamo; marked by
+    # _answer_is_a_graph_constant, the compiler calls it once while tracing and keeps the answer as a constant.
     return scaled_mm_runs(device, a_dtype, b_dtype, rowwise, out_dtype, bias)
+
+
+_marked_constant = False
+
+
+def _answer_is_a_graph_constant() -> None:
+    """torch.compiler.assume_constant_result on _scaled_mm_runs_here, done once, when a Float8Linear is made rather
+    than at import: marking imports torch._dynamo, and triton with it, which the rest of picotron never needs."""
+    global _scaled_mm_runs_here, _marked_constant
+    if not _marked_constant:
+        _scaled_mm_runs_here = torch.compiler.assume_constant_result(_scaled_mm_runs_here)
+        _marked_constant = True
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
@@ -511,6 +522,7 @@ class Float8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: str | Float8Recipe = "tensorwise", device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        _answer_is_a_graph_constant()
         self.recipe = recipe_of(recipe)
         self.delayed = DelayedScales(self.recipe.history_len) if self.recipe.scaling == "delayed" else None
 
@@ -519,6 +531,7 @@ class Float8Linear(nn.Linear):
         """A Float8Linear that shares `linear`'s parameters (no copy: an optimizer holding them still works)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
+        _answer_is_a_graph_constant()
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         new.recipe = recipe_of(recipe)
