@@ -346,25 +346,20 @@ def scaled_mm_runs(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, roww
     # The first call comes from a forward pass, often under the trainer's bf16 autocast, which would round the
     # expected product to bf16 (and allclose refuses to compare it with the fp32 output): the trial is in fp32.
     with torch.autocast(torch.device(device).type, enabled=False):
-        return _scaled_mm_trial(device, a_dtype, b_dtype, rowwise, out_dtype, bias)
-
-
-def _scaled_mm_trial(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool,
-                     out_dtype: torch.dtype, bias: bool) -> bool:
-    grid = torch.arange(16 * 32, dtype=torch.float32, device=device).reshape(16, 32)
-    a = ((grid * 7 % 9 - 4) / 2).to(a_dtype)                 # -2 .. 2 in steps of 1/2: exact in e4m3 and e5m2
-    b = ((grid * 5 % 7 - 3) / 2).to(b_dtype).t()             # (32, 16) column-major
-    rows, cols = torch.arange(16, dtype=torch.float32, device=device), torch.arange(16, device=device)
-    scale_a = 2.0 ** (rows % 4 - 1).reshape(16, 1) if rowwise else torch.tensor(0.5, device=device)
-    scale_b = 2.0 ** -(cols % 3).float().reshape(1, 16) if rowwise else torch.tensor(4.0, device=device)
-    bias_value = torch.linspace(-1, 1, 16, device=device).to(out_dtype) if bias else None
-    expected = (a.float() * scale_a) @ (b.float() * scale_b) + (bias_value.float() if bias else 0)
-    try:
-        out = _TORCH_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias_value, out_dtype=out_dtype)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return False
-    eps = torch.finfo(out_dtype).eps                         # the output's rounding, nothing more
-    return out.dtype == out_dtype and bool(torch.allclose(out.float(), expected, rtol=eps, atol=eps))
+        grid = torch.arange(16 * 32, dtype=torch.float32, device=device).reshape(16, 32)
+        a = ((grid * 7 % 9 - 4) / 2).to(a_dtype)             # -2 .. 2 in steps of 1/2: exact in e4m3 and e5m2
+        b = ((grid * 5 % 7 - 3) / 2).to(b_dtype).t()         # (32, 16) column-major
+        rows, cols = torch.arange(16, dtype=torch.float32, device=device), torch.arange(16, device=device)
+        scale_a = 2.0 ** (rows % 4 - 1).reshape(16, 1) if rowwise else torch.tensor(0.5, device=device)
+        scale_b = 2.0 ** -(cols % 3).float().reshape(1, 16) if rowwise else torch.tensor(4.0, device=device)
+        bias_value = torch.linspace(-1, 1, 16, device=device).to(out_dtype) if bias else None
+        expected = (a.float() * scale_a) @ (b.float() * scale_b) + (bias_value.float() if bias else 0)
+        try:
+            out = _TORCH_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias_value, out_dtype=out_dtype)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            return False
+        eps = torch.finfo(out_dtype).eps                     # the output's rounding, nothing more
+        return out.dtype == out_dtype and bool(torch.allclose(out.float(), expected, rtol=eps, atol=eps))
 
 
 def _scaled_mm_runs_here(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool,
@@ -375,16 +370,12 @@ def _scaled_mm_runs_here(device: str, a_dtype: torch.dtype, b_dtype: torch.dtype
     return scaled_mm_runs(device, a_dtype, b_dtype, rowwise, out_dtype, bias)
 
 
-_marked_constant = False
-
-
+@functools.cache
 def _answer_is_a_graph_constant() -> None:
-    """torch.compiler.assume_constant_result on _scaled_mm_runs_here, done once, when a Float8Linear is made rather
-    than at import: marking imports torch._dynamo, and triton with it, which the rest of picotron never needs."""
-    global _scaled_mm_runs_here, _marked_constant
-    if not _marked_constant:
-        _scaled_mm_runs_here = torch.compiler.assume_constant_result(_scaled_mm_runs_here)
-        _marked_constant = True
+    """torch.compiler.assume_constant_result on _scaled_mm_runs_here, once, when a Float8Linear is made rather than
+    at import: marking imports torch._dynamo, and triton with it, which the rest of picotron never needs."""
+    global _scaled_mm_runs_here
+    _scaled_mm_runs_here = torch.compiler.assume_constant_result(_scaled_mm_runs_here)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
