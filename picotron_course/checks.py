@@ -159,6 +159,7 @@ class Report:
     def __init__(self, title: str, note: str = ""):
         self.title, self.note = title, note
         self.rows: list[tuple[dict, bool, str]] = []
+        self.hint = ""   # what a learner whose answer fails should read (engine.Misconception), shown last
 
     def add(self, ok: bool, detail: str = "", **columns) -> None:
         """Record a case: `columns` are shown in the table (`**{"sent (B)": n}` for a header that is not
@@ -190,12 +191,14 @@ class Report:
         failed = [(columns, detail) for columns, ok, detail in self.rows if not ok]
         for columns, detail in failed[:4]:
             print(f"  FAIL {_where(columns)}" + (f"\n       {detail}" if detail else ""))
+        if failed and self.hint:
+            print(f"  hint: {self.hint}")
         if not self.rows:
             raise AssertionError(f"{self.title}: the check ran no case")
         if failed:
             columns, detail = failed[0]
             raise AssertionError(f"{self.title}: {len(failed)} of {len(self.rows)} cases failed (table above). "
-                                 f"First: {_where(columns)}. {detail}")
+                                 f"First: {_where(columns)}. {detail}" + (f" Hint: {self.hint}" if self.hint else ""))
 
 
 def _where(columns: dict) -> str:

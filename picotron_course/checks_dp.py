@@ -1,9 +1,10 @@
-"""The checks of assignment 02: bucketed, overlapped data parallelism.
+"""The checks of assignment 02: bucketed, overlapped data parallelism, declared on the course's engine.
 
-Each check runs the learner's code (on 4 ranks where it communicates) and compares it with
-single-process torch computed here, in the parent: the mean of every rank's tensor, the
-gradient of the whole global batch from one plain model, a plain AdamW run. Nothing here
-uses picotron.parallel.data_parallel, the module the assignment rebuilds.
+Each check runs the learner's code (on 4 ranks where it communicates), observes what it did (the buffer and
+where each gradient lies in it, the all-reduces launched and waited for, the gradients and weights) and compares
+with single-process torch computed here, in the parent: the mean of every rank's tensor, the gradient of the
+whole global batch from one plain model, a plain AdamW run (picotron_course.engine). Nothing here uses
+picotron.parallel.data_parallel, the module the assignment rebuilds.
 
     check_grad_views(grad_views)        views into one flat buffer; autograd fills it (one process)
     check_grad_bucket(GradBucket)       one async all-reduce of the whole buffer, when the last gradient is ready
@@ -14,16 +15,13 @@ uses picotron.parallel.data_parallel, the module the assignment rebuilds.
 
 `given_bucket_plan` is the plan the guided part's DataParallel is given; the stretch asks for the
 learner's own, and its check refuses an answer that calls it (or picotron's `assign_buckets`).
-
-Inside the ranks, `recorded_all_reduces` wraps `torch.distributed.all_reduce` (which
-`picotron.comm.all_reduce` calls) to note every call: its tensor, whether it was
-asynchronous, and whether its handle was waited for.
+The misconceptions at the end of each section are wrong answers learners write, with the hint each should read.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Callable, Iterator
@@ -34,10 +32,9 @@ from torch import nn
 
 from picotron import tolerance
 from picotron.config import ModelConfig
-from picotron_course.checks import (Report, close_enough, close_in_training, collectives_observed, max_abs_error,
-                                    mismatch, on_ranks, one_thread, rank_tensor, watch_calls)
-from picotron_course.checks import not_the_course_answer
 from picotron.model import Llama, loss_fn
+from picotron_course.checks import close_enough, collectives_observed, on_ranks, one_thread, rank_tensor, watch_calls
+from picotron_course.engine import Check, Close, Exact, InTraining, Misconception, Within, by_rank
 
 __all__ = ["check_grad_views", "check_grad_bucket", "check_hooks", "check_data_parallel", "check_assign_buckets",
            "given_bucket_plan", "recorded_all_reduces", "CHECK_MODEL", "WORLD"]
@@ -50,16 +47,26 @@ SEQ, BATCH_PER_RANK = 12, 2
 # Roundings behind one gradient of CHECK_MODEL on the global batch (picotron.tolerance), and the all-reduce's sum.
 MODEL_ROUNDINGS = tolerance.llama_roundings(CHECK_MODEL, SEQ, WORLD * BATCH_PER_RANK * SEQ) + WORLD
 PACKAGE = "picotron.parallel.data_parallel"
+COURSE = (PACKAGE, __name__)   # picotron's answers, and the correct bases of this file's misconceptions
+ONLY = {__name__: {"_Bucket", "_DataParallel"}}
 
 
 # ---- recording the all-reduces a rank makes --------------------------------------------------
 class AllReduceCall:
-    """One call of dist.all_reduce: what it was given, and whether its handle was waited for."""
+    """One call of dist.all_reduce: what it was given, whether its handle was waited for, and the handle."""
 
     def __init__(self, tensor: torch.Tensor, async_op: bool):
         self.numel, self.data_ptr, self.async_op = tensor.numel(), tensor.data_ptr(), async_op
         self.waited = not async_op  # a blocking call is done when it returns
         self.tensor, self.sent = tensor, tensor.detach().clone()   # what it held when the all-reduce started
+        self.work = None
+
+    def describe(self, buffer: torch.Tensor) -> str:
+        whole = self.data_ptr == buffer.data_ptr() and self.numel == buffer.numel()
+        inside = _shares(self.tensor, buffer)
+        what = "the whole buffer" if whole else f"{self.numel} elements {'of' if inside else 'outside'} the buffer"
+        return (f"async all-reduce of {what}, {'waited' if self.waited else 'never waited'}" if self.async_op
+                else f"blocking all-reduce of {what}")
 
 
 class _RecordedWork:
@@ -67,6 +74,7 @@ class _RecordedWork:
 
     def __init__(self, work, call: AllReduceCall):
         self._work, self._call = work, call
+        call.work = work
 
     def wait(self, *args, **kwargs):
         self._call.waited = True
@@ -78,7 +86,9 @@ class _RecordedWork:
 
 @contextmanager
 def recorded_all_reduces() -> Iterator[list[AllReduceCall]]:
-    """Inside the block, every dist.all_reduce call is appended to the yielded list (checks.collectives_observed)."""
+    """Inside the block, every dist.all_reduce call is appended to the yielded list (checks.collectives_observed).
+    On the way out, an all-reduce never waited for is completed (noted as not waited), so what the rank then reads
+    does not depend on how far the backend had got."""
     calls: list[AllReduceCall] = []
 
     def record(name: str, arguments: dict) -> None:
@@ -90,159 +100,255 @@ def recorded_all_reduces() -> Iterator[list[AllReduceCall]]:
 
     with collectives_observed(record, after):
         yield calls
+    for call in calls:
+        if not call.waited and call.work is not None:
+            call.work.wait()
 
 
-VIEW_CASES = [([(3, 4), (5,), (2, 3, 2)], torch.float32), ([(7,)], torch.float32),
-              ([(1,), (4, 4), (6,)], torch.float64)]
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are views of one storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# ---- 1. grad_views ---------------------------------------------------------------------------
+def _observe_views(answers: list, cases: list) -> list:
+    return [[_views(grad_views, case) for case in cases] for grad_views in answers]
+
+
+def _views(grad_views: Callable, case: dict) -> dict:
+    params = [nn.Parameter(rank_tensor(0, shape, case["dtype"], case["_seed"])) for shape in case["shapes"]]
+    buffer = grad_views(params)
+    seen = {"returned": _described(buffer), "grads": _placed(params, buffer)}
+    if isinstance(buffer, torch.Tensor):   # backward twice: autograd must add into the views, so into the buffer
+        scales = [rank_tensor(1, p.shape, case["dtype"], 10 * case["_seed"] + i) for i, p in enumerate(params)]
+        for _ in range(2):
+            sum((p * s).sum() for p, s in zip(params, scales)).backward()
+        seen.update({"after backward": buffer.clone(), "grads after backward": _placed(params, buffer)})
+    return seen
+
+
+def _described(buffer) -> str:
+    if not isinstance(buffer, torch.Tensor):
+        return f"a {type(buffer).__name__}, not a tensor"
+    zero = "all zero" if not buffer.count_nonzero() else "not all zero"
+    return f"a {buffer.dim()}-D {str(buffer.dtype).removeprefix('torch.')} tensor of {buffer.numel()} elements, {zero}"
+
+
+def _placed(params: list, buffer) -> list:
+    """Where each p.grad starts in the buffer (an element index), or why it is not in it."""
+    def place(grad):
+        if grad is None:
+            return "None"
+        if not isinstance(buffer, torch.Tensor) or not _shares(grad, buffer):
+            return "not in the buffer"
+        return (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+    return [place(p.grad) for p in params]
+
+
+def _expect_views(case: dict, observed: dict) -> dict:
+    shapes, dtype = case["shapes"], case["dtype"]
+    sizes = [math.prod(shape) for shape in shapes]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    scales = [rank_tensor(1, shape, dtype, 10 * case["_seed"] + i) for i, shape in enumerate(shapes)]
+    return {"returned": _described(torch.zeros(sum(sizes), dtype=dtype)), "grads": starts,
+            "after backward": 2 * torch.cat([s.flatten() for s in scales]), "grads after backward": starts}
+
+
+def _gv_copies(params):
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+    for p in params:
+        p.grad = torch.zeros_like(p)  # its own tensor: backward never reaches the buffer
+    return buffer
+
+
+def _gv_no_grads(params):
+    return torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+
+
+def _gv_reversed(params):
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+    offset = buffer.numel()
+    for p in params:  # laid out from the end
+        offset -= p.numel()
+        p.grad = buffer[offset:offset + p.numel()].view_as(p)
+    return buffer
+
+
+def _gv_ones(params):
+    buffer = torch.ones(sum(p.numel() for p in params), dtype=params[0].dtype)
+    for p, piece in zip(params, buffer.split([p.numel() for p in params])):
+        p.grad = piece.view_as(p)
+    return buffer
+
+
+def _gv_returns_nothing(params):
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+    for p, piece in zip(params, buffer.split([p.numel() for p in params])):
+        p.grad = piece.view_as(p)
+
+
+GRAD_VIEWS = Check(
+    "grad_views", observe=_observe_views, expect=_expect_views,
+    cases=[dict(shapes=shapes, dtype=dtype, _seed=seed) for seed, (shapes, dtype) in enumerate(
+        [([(3, 4), (5,), (2, 3, 2)], torch.float32), ([(7,)], torch.float32), ([(1,), (4, 4), (6,)], torch.float64)])],
+    quantities={"returned": Exact("what grad_views returned"),
+                "grads": Exact("where each p.grad starts in the buffer (element)", axes=("params[{}]",)),
+                "after backward": Close("the buffer after two backward passes (the summed gradients)", n=2),
+                "grads after backward": Exact("where each p.grad starts after backward", axes=("params[{}]",))},
+    misconceptions=[
+        Misconception(_gv_returns_nothing, "grad_views must return the flat buffer (a tensor)"),
+        Misconception(_gv_ones, "the buffer must start at zero: autograd adds each gradient into it"),
+        Misconception(_gv_no_grads, "set each p.grad to a view of its slice of the buffer"),
+        Misconception(_gv_copies, "each p.grad must be a view of the buffer, not a copy: slice the buffer and "
+                                  ".view_as(param), do not torch.cat or .clone"),
+        Misconception(_gv_reversed, "lay the parameters out one after another, in the order given")])
 
 
 def check_grad_views(grad_views: Callable) -> None:
     """grad_views(params) returns one zero buffer; each p.grad is a view of its slice, in order;
     backward adds gradients into the buffer."""
-    with Report("grad_views") as report:
-        for seed, (shapes, dtype) in enumerate(VIEW_CASES):
-            params = [nn.Parameter(rank_tensor(0, shape, dtype, seed)) for shape in shapes]
-            buffer = grad_views(params)
-            detail = _views_problem(params, buffer)
-            err = math.nan
-            if not detail:  # backward twice: autograd must add into the views, so into the buffer
-                scales = [rank_tensor(1, p.shape, dtype, seed) for p in params]
-                for _ in range(2):
-                    sum((p * s).sum() for p, s in zip(params, scales)).backward()
-                expected = 2 * torch.cat([s.flatten() for s in scales])
-                err = max_abs_error(buffer, expected)
-                if not close_enough(buffer, expected, n=2):          # two backward passes added
-                    detail = ("after two backward passes the buffer is not the summed gradients: "
-                              + mismatch(buffer, expected))
-                elif any(p.grad.data_ptr() != v for p, v in zip(params, _offsets(buffer, params))):
-                    detail = "after backward a p.grad no longer points into the buffer"
-            report.add(not detail, detail, shapes=shapes, dtype=dtype, max_abs_err=err)
-
-
-def _offsets(buffer: torch.Tensor, params: list) -> list[int]:
-    """Where each parameter's slice of the buffer starts, params laid out one after another."""
-    starts, offset = [], 0
-    for p in params:
-        starts.append(buffer.data_ptr() + offset * buffer.element_size())
-        offset += p.numel()
-    return starts
-
-
-def _views_problem(params: list, buffer) -> str:
-    total = sum(p.numel() for p in params)
-    if not isinstance(buffer, torch.Tensor):
-        return f"grad_views must return the flat buffer (a tensor), got {type(buffer).__name__}"
-    if buffer.dim() != 1 or buffer.numel() != total or buffer.dtype != params[0].dtype:
-        return (f"expected a 1-D {params[0].dtype} buffer of {total} elements (all parameters), got "
-                f"{buffer.dtype} of shape {tuple(buffer.shape)}")
-    if buffer.count_nonzero():
-        return "the buffer must start at zero (autograd adds into it)"
-    for i, (p, start) in enumerate(zip(params, _offsets(buffer, params))):
-        if p.grad is None:
-            return f"params[{i}].grad is None: set it to a view of the buffer"
-        if p.grad.shape != p.shape:
-            return f"params[{i}].grad has shape {tuple(p.grad.shape)}, the parameter {tuple(p.shape)}"
-        if p.grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
-            return (f"params[{i}].grad is not a view of the buffer (a copy?): slice the buffer and "
-                    ".view_as(param), do not torch.cat or .clone")
-        if p.grad.data_ptr() != start:
-            element = lambda ptr: (ptr - buffer.data_ptr()) // buffer.element_size()
-            return (f"params[{i}].grad starts at element {element(p.grad.data_ptr())} of the buffer, expected "
-                    f"{element(start)}: lay the parameters out one after another, in the order given")
-    return ""
+    GRAD_VIEWS(grad_views)
 
 
 # ---- 2. GradBucket -----------------------------------------------------------------------------
-BUCKET_CASES = [([(3, 4), (5,), (2, 3, 2)], torch.float32), ([(6, 2)], torch.float32),
-                ([(4,), (3, 3)], torch.float64)]
-ROUNDS = 2  # the same bucket twice: it must be ready for the next step after wait()
+def _grad_seed(case: int, step: int, index: int) -> int:
+    return 100 * case + 10 * step + index
+
+
+def _buckets_on_rank(answers: list, cases: list) -> list:
+    """Per answer, per case: make a bucket at a case's step 0 (the next step reuses it), write this rank's
+    gradients through the views, mark every parameter ready (the last first, as backward does), then wait()."""
+    rank, out = dist.get_rank(), []
+    for GradBucket in answers:
+        seen = []
+        for case in cases:
+            if case["step"] == 0:
+                params = [nn.Parameter(torch.zeros(shape, dtype=case["dtype"])) for shape in case["shapes"]]
+                bucket = GradBucket(params, dist.group.WORLD)
+                GRAD_BUCKET.refuse(GradBucket, bucket)
+            views = all(p.grad is not None and _shares(p.grad, bucket.buffer) for p in params)
+            seen.append({"views": views, "launched": None, "all-reduces": None, "grads": None})
+            if not views:
+                continue
+            for i, p in enumerate(params):
+                p.grad.copy_(rank_tensor(rank, p.shape, case["dtype"], _grad_seed(case["_case"], case["step"], i)))
+            with recorded_all_reduces() as calls:
+                launched = []
+                for p in reversed(params):
+                    before = len(calls)
+                    bucket.mark_ready(p)
+                    launched.append(len(calls) - before)
+                bucket.wait()
+            seen[-1].update({"launched": launched, "all-reduces": [c.describe(bucket.buffer) for c in calls],
+                             "grads": [p.grad.clone() for p in params]})
+        out.append(seen)
+    return out
+
+
+def _expect_bucket(case: dict, observed: dict) -> dict:
+    means = [sum(rank_tensor(r, shape, case["dtype"], _grad_seed(case["_case"], case["step"], i)).double()
+                 for r in range(WORLD)) / WORLD for i, shape in enumerate(case["shapes"])]
+    launched = [0] * (len(case["shapes"]) - 1) + [1]
+    return {"views": [True] * WORLD, "launched": [launched] * WORLD,
+            "all-reduces": [["async all-reduce of the whole buffer, waited"]] * WORLD, "grads": [means] * WORLD}
+
+
+class _Bucket:
+    """The correct bucket the misconceptions below change (refused as an answer)."""
+
+    def __init__(self, params, group):
+        self.params, self.group = list(params), group
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype)
+        for p, piece in zip(self.params, self.buffer.split([p.numel() for p in self.params])):
+            p.grad = piece.view_as(p)
+        self.ready, self.work = set(), None
+
+    def mark_ready(self, param):
+        self.ready.add(param)
+        if len(self.ready) == len(self.params):
+            self.launch()
+
+    def launch(self):
+        self.work = dist.all_reduce(self.buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
+    def wait(self):
+        self.work.wait()
+        self.work, self.ready = None, set()
+
+
+class BucketLaunchesEarly(_Bucket):
+    def mark_ready(self, param):
+        self.ready.add(param)
+        if self.work is not None:
+            self.work.wait()
+        self.launch()  # every time: sends gradients that are not final
+
+
+class BucketBlocks(_Bucket):
+    def launch(self):
+        dist.all_reduce(self.buffer, op=dist.ReduceOp.AVG, group=self.group)
+
+    def wait(self):
+        self.ready = set()
+
+
+class BucketPerGradient(_Bucket):
+    def launch(self):
+        works = [dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True) for p in self.params]
+        self.work = type("Works", (), {"wait": lambda _: [w.wait() for w in works]})()
+
+
+class BucketSums(_Bucket):
+    def launch(self):
+        self.work = dist.all_reduce(self.buffer, group=self.group, async_op=True)  # sum, never divided
+
+
+class BucketNeverResets(_Bucket):
+    def wait(self):
+        self.work.wait()
+
+
+class BucketDoesNotWait(_Bucket):
+    def wait(self):
+        self.work, self.ready = None, set()
+
+
+GRAD_BUCKET = Check(
+    "GradBucket", observe=lambda answers, cases: by_rank(on_ranks(_buckets_on_rank, WORLD, answers, cases)),
+    expect=_expect_bucket, course=COURSE, only=ONLY,
+    note=f"{WORLD} ranks; each row: mark every parameter ready (last first), then wait()",
+    cases=[dict(shapes=shapes, dtype=dtype, step=step, _case=i) for i, (shapes, dtype) in enumerate(
+        [([(3, 4), (5,), (2, 3, 2)], torch.float32), ([(6, 2)], torch.float32), ([(4,), (3, 3)], torch.float64)])
+        for step in range(2)],   # the same bucket twice: it must be ready for the next step after wait()
+    columns=lambda case, got: {"all-reduces launched": got["launched"][0] if got["launched"][0] else "-"},
+    quantities={
+        "views": Exact("after GradBucket(params, group), the p.grad are views of bucket.buffer (solve check_grad_views "
+                       "first)", axes=("rank {}",)),
+        "launched": Exact("all-reduces launched by each mark_ready, the last parameter first", axes=("rank {}",)),
+        "all-reduces": Exact("the all-reduces of the step", axes=("rank {}",)),
+        "grads": Close("the gradients after wait(), against the mean over ranks", n=WORLD + 1,
+                       axes=("rank {}", "params[{}]"))},
+    misconceptions=[
+        Misconception(BucketNeverResets, "after wait(), empty the set of ready parameters: the bucket serves the next "
+                                         "step, whose first mark_ready must not launch"),
+        Misconception(BucketLaunchesEarly, "mark_ready launched an all-reduce before the bucket's last gradient was "
+                                           "ready: count the ready parameters and launch only when all are"),
+        Misconception(BucketBlocks, "the all-reduce blocked: pass async_op=True and keep the handle, so backward can "
+                                    "go on"),
+        Misconception(BucketPerGradient, "launch exactly one all-reduce, of the whole buffer (self.buffer itself, in "
+                                         "one call), when the last parameter is ready"),
+        Misconception(BucketSums, "the gradients are the sum over ranks: divide by the world size (or all-reduce "
+                                  "with op=ReduceOp.AVG)"),
+        Misconception(BucketDoesNotWait, "wait() did not call .wait() on the all-reduce's handle")])
 
 
 def check_grad_bucket(GradBucket: type) -> None:
     """mark_ready launches one async all-reduce of the whole buffer when the last gradient is ready;
     after wait() every gradient is the mean over ranks; the bucket then serves the next step."""
-    not_the_course_answer("check_grad_bucket", GradBucket, course=PACKAGE)
-    with Report("GradBucket", note=f"{WORLD} ranks; each row: mark every parameter ready (last first), then wait()") \
-            as report:
-        results = on_ranks(_bucket_on_rank, WORLD, GradBucket, BUCKET_CASES)
-        for case, (shapes, dtype) in enumerate(BUCKET_CASES):
-            for round_ in range(ROUNDS):
-                per_rank = [rank[case][round_] for rank in results]
-                detail, err = _bucket_problem(per_rank, shapes, dtype, case, round_)
-                launches = per_rank[0].get("launches", [math.nan])
-                report.add(not detail, detail, shapes=shapes, dtype=dtype, step=round_,
-                           **{"launched before last": sum(launches[:-1]), "launched at last": launches[-1]},
-                           max_abs_err=err)
+    GRAD_BUCKET(GradBucket)
 
 
-def _grad_seed(case: int, round_: int, index: int) -> int:
-    return 100 * case + 10 * round_ + index
-
-
-def _bucket_on_rank(GradBucket: type, cases: list) -> list:
-    rank, out = dist.get_rank(), []
-    for case, (shapes, dtype) in enumerate(cases):
-        params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
-        bucket = GradBucket(params, dist.group.WORLD)
-        not_the_course_answer("check_grad_bucket", bucket, course=PACKAGE)
-        rounds = []
-        if not all(p.grad is not None and p.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage()
-                   .data_ptr() for p in params):
-            out.append([{"not_views": True}] * ROUNDS)
-            continue
-        for round_ in range(ROUNDS):
-            for i, p in enumerate(params):  # this rank's gradients, written through the views
-                p.grad.copy_(rank_tensor(rank, p.shape, dtype, _grad_seed(case, round_, i)))
-            with recorded_all_reduces() as calls:
-                launches = []
-                for p in reversed(params):  # backward finishes the last parameters first
-                    before = len(calls)
-                    bucket.mark_ready(p)
-                    launches.append(len(calls) - before)
-                bucket.wait()
-            rounds.append({"launches": launches, "calls": [(c.numel, c.data_ptr == bucket.buffer.data_ptr(),
-                                                            c.async_op, c.waited) for c in calls],
-                           "numel": bucket.buffer.numel(), "grads": [p.grad.clone() for p in params]})
-        out.append(rounds)
-    return out
-
-
-def _bucket_problem(per_rank: list, shapes: list, dtype, case: int, round_: int) -> tuple[str, float]:
-    mine = per_rank[0]
-    if mine.get("not_views"):
-        return ("after GradBucket(params, group) the p.grad are not views of bucket.buffer: "
-                "solve grad_views first (check_grad_views)"), math.nan
-    expected = [sum(rank_tensor(r, shape, dtype, _grad_seed(case, round_, i)).double() for r in range(WORLD)) / WORLD
-                for i, shape in enumerate(shapes)]
-    err = max(max_abs_error(g, e) for rank in per_rank for g, e in zip(rank["grads"], expected))
-    if sum(mine["launches"][:-1]):
-        return ("mark_ready launched an all-reduce before the bucket's last gradient was ready: count the ready "
-                "parameters and launch only when all are"), err
-    if mine["launches"][-1] != 1:
-        return (f"marking the last parameter ready launched {mine['launches'][-1]} all-reduces; launch exactly one, "
-                "of the whole buffer, there"), err
-    numel, same_buffer, async_op, waited = mine["calls"][0]
-    if not (same_buffer and numel == mine["numel"]):
-        return (f"the all-reduce got a tensor of {numel} elements{'' if same_buffer else ' outside the buffer'}; "
-                f"all-reduce self.buffer ({mine['numel']} elements) itself, in one call"), err
-    if not async_op:
-        return "the all-reduce blocked: pass async_op=True and keep the handle, so backward can go on", err
-    if not waited:
-        return "wait() did not call .wait() on the all-reduce's handle", err
-    for rank, grads in enumerate(r["grads"] for r in per_rank):
-        for i, (g, e) in enumerate(zip(grads, expected)):
-            if not close_enough(g, e, dtype, n=WORLD + 1):     # a sum over the ranks, then a division
-                hint = (" (it looks like the sum: divide by the world size)"
-                        if close_enough(g, e * WORLD, dtype, n=WORLD + 1) else "")
-                return (f"rank {rank}, params[{i}].grad is not the mean over ranks{hint}: "
-                        f"{mismatch(g, e.to(dtype))}"), err
-    return "", err
-
-
-# ---- 3. hooks --------------------------------------------------------------------------------
-HOOK_BUCKETS = [0, 3000, 10**9]  # elements: one bucket per parameter, a few, one for everything
-
-
+# ---- 3. hooks, 4. training with gradient accumulation ------------------------------------------
 def _tokens(step: int, micro: int, rank: int) -> torch.Tensor:
     """(BATCH_PER_RANK, SEQ + 1) tokens of one rank's micro-batch; the parent can rebuild them all."""
     generator = torch.Generator().manual_seed(10_007 * step + 101 * micro + rank)
@@ -260,74 +366,36 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
 
 
-def check_hooks(DataParallel: type) -> None:
-    """One backward on 4 ranks: each bucket's all-reduce starts during backward, once; after
-    finish_gradient_sync the gradients equal one process's gradient of the global batch."""
-    not_the_course_answer("check_hooks", DataParallel, course=PACKAGE)
-    with Report("hooks", note=f"{WORLD} ranks, one backward of a Llama with {len(list(_model().parameters()))} "
-                              "parameter tensors (the embedding tied to the LM head)") as report:
-        results = on_ranks(_hooks_on_rank, WORLD, DataParallel, HOOK_BUCKETS)
-        with one_thread():
-            model = _model()
-            batch = torch.cat([_tokens(0, 0, r) for r in range(WORLD)])  # the global batch
-            loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-            expected = _flat_grads(model)
-        for i, bucket_numel in enumerate(HOOK_BUCKETS):
-            per_rank = [rank[i] for rank in results]
-            got = per_rank[0]
-            err = max(max_abs_error(r["grads"], expected) for r in per_rank)
-            detail = ""
-            if got["in_backward"] < got["buckets"]:
-                detail = (f"only {got['in_backward']} of {got['buckets']} buckets started their all-reduce while "
-                          "backward ran: register a post-accumulate-grad hook on every parameter that marks it "
-                          "ready in its bucket")
-            elif got["total"] != got["buckets"]:
-                detail = f"{got['total']} all-reduces for {got['buckets']} buckets: launch each bucket once"
-            elif not got["waited"]:
-                detail = "finish_gradient_sync returned before waiting for every bucket's all-reduce"
-            elif any(r["stale"] for r in per_rank):
-                rank, name = next((rank, r["stale"]) for rank, r in enumerate(per_rank) if r["stale"])
-                detail = (f"rank {rank}'s all-reduce started before {name}'s gradient was in its bucket, so the "
-                          "gradients differ from one process's whenever the all-reduce reads the bucket early: mark "
-                          "a parameter ready in a post-accumulate-grad hook (after .grad holds the gradient), not a "
-                          "tensor hook")
-            else:
-                for rank, r in enumerate(per_rank):
-                    if not close_enough(r["grads"], expected, n=MODEL_ROUNDINGS):
-                        detail = f"rank {rank}'s gradients differ from one process's: {mismatch(r['grads'], expected)}"
-                        break
-            report.add(not detail, detail, bucket_numel=bucket_numel, buckets=got["buckets"],
-                       **{"launched in backward": got["in_backward"], "launched in all": got["total"]},
-                       max_abs_err=err)
-
-
-def _hooks_on_rank(DataParallel: type, bucket_sizes: list) -> list:
+def _hooks_on_rank(answers: list, cases: list) -> list:
     rank, out = dist.get_rank(), []
     tokens = _tokens(0, 0, rank)
-    for bucket_numel in bucket_sizes:
-        model = _model()
-        dp = DataParallel(model, dist.group.WORLD, bucket_numel)
-        not_the_course_answer("check_hooks", dp, *dp.buckets, course=PACKAGE)
-        local = _model()                                     # this rank's own gradient, without communication
-        loss_fn(local(tokens[:, :-1]), tokens[:, 1:]).backward()
-        with recorded_all_reduces() as calls:
-            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-            in_backward = len(calls)
-            dp.finish_gradient_sync()
-        out.append({"buckets": len(dp.buckets), "in_backward": in_backward, "total": len(calls),
-                    "waited": all(c.waited for c in calls), "grads": _flat_grads(model),
-                    "stale": _sent_before_ready(model, local, calls)})
+    for DataParallel in answers:
+        seen = []
+        for case in cases:
+            model = _model()
+            dp = DataParallel(model, dist.group.WORLD, case["bucket_numel"])
+            HOOKS.refuse(DataParallel, dp, *dp.buckets)
+            local = _model()                                     # this rank's own gradient, without communication
+            loss_fn(local(tokens[:, :-1]), tokens[:, 1:]).backward()
+            with recorded_all_reduces() as calls:
+                loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+                in_backward = len(calls)
+                dp.finish_gradient_sync()
+            seen.append({"buckets": len(dp.buckets), "in backward": in_backward, "all-reduces": len(calls),
+                         "waited": all(c.waited for c in calls), "stale": _sent_before_ready(model, local, calls),
+                         "grads": _flat_grads(model)})
+        out.append(seen)
     return out
 
 
 def _sent_before_ready(model: nn.Module, local: nn.Module, calls: list[AllReduceCall]) -> str:
     """The first parameter whose slice of a bucket did not hold this rank's gradient (or its 1/N share) when its
-    all-reduce started ("" if none). Deterministic, unlike the reduced result: an async all-reduce may read the buffer late enough
-    to see a gradient that was written after it started."""
+    all-reduce started ("" if none). Deterministic, unlike the reduced result: an async all-reduce may read the
+    buffer late enough to see a gradient that was written after it started."""
     for (name, p), q in zip(model.named_parameters(), local.parameters()):
         for call in calls:
             g = p.grad
-            if g is None or g.untyped_storage().data_ptr() != call.tensor.untyped_storage().data_ptr():
+            if g is None or not _shares(g, call.tensor):
                 continue
             start = g.storage_offset() - call.tensor.storage_offset()
             if start < 0 or start + g.numel() > call.tensor.numel():   # another bucket's part of one buffer
@@ -338,80 +406,179 @@ def _sent_before_ready(model: nn.Module, local: nn.Module, calls: list[AllReduce
     return ""
 
 
-# ---- 4. training with gradient accumulation ----------------------------------------------------
-TRAIN_CASES = [(0, 1), (3000, 1), (10**9, 1), (3000, 2), (10**9, 3)]  # (bucket_numel, micro-batches per step)
+@functools.cache
+def _one_backward() -> torch.Tensor:
+    """One process's gradient of the global batch of step 0."""
+    with one_thread():
+        model = _model()
+        batch = torch.cat([_tokens(0, 0, r) for r in range(WORLD)])
+        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    return _flat_grads(model)
+
+
+def _expect_hooks(case: dict, observed: dict) -> dict:
+    buckets = observed["buckets"]   # one all-reduce per bucket the answer made
+    return {"in backward": buckets, "all-reduces": buckets, "waited": [True] * WORLD, "stale": [""] * WORLD,
+            "grads": [_one_backward()] * WORLD}
+
+
 TRAIN_STEPS, LR = 5, 1e-2
+
+
+def _train_on_rank(answers: list, cases: list) -> list:
+    rank, out = dist.get_rank(), []
+    for DataParallel in answers:
+        seen = []
+        for case in cases:
+            accum, model = case["micro_batches"], _model()
+            dp = DataParallel(model, dist.group.WORLD, case["bucket_numel"])
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            grads, per_step = [], []
+            with recorded_all_reduces() as calls:
+                for step in range(TRAIN_STEPS):
+                    before = len(calls)
+                    for micro in range(accum):
+                        tokens = _tokens(step, micro, rank)
+                        with dp.no_sync() if micro < accum - 1 else nullcontext():
+                            (loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / accum).backward()
+                    dp.finish_gradient_sync()
+                    per_step.append(len(calls) - before)
+                    grads.append(_flat_grads(model))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=False)  # zero the views in place: they are the buckets
+            seen.append({"buckets": len(dp.buckets), "all-reduces": per_step, "grads": grads,
+                         "weights": torch.cat([p.detach().flatten() for p in model.parameters()])})
+        out.append(seen)
+    return out
+
+
+@functools.cache
+def _train_one_process(accum: int) -> tuple[list, torch.Tensor]:
+    """Plain torch: the whole global batch (every rank's micro-batches) in one backward per step."""
+    with one_thread():
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        grads = []
+        for step in range(TRAIN_STEPS):
+            batch = torch.cat([_tokens(step, micro, r) for micro in range(accum) for r in range(WORLD)])
+            loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+            grads.append(_flat_grads(model))
+            optimizer.step()
+            optimizer.zero_grad()
+    return grads, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _expect_training(case: dict, observed: dict) -> dict:
+    grads, weights = _train_one_process(case["micro_batches"])
+    return {"all-reduces": [[b] * TRAIN_STEPS for b in observed["buckets"]], "grads": [grads] * WORLD,
+            "weights": [weights] * WORLD}
+
+
+class _DataParallel:
+    """The correct DataParallel the misconceptions below change (refused as an answer)."""
+
+    def __init__(self, model, group, bucket_numel):
+        self.require_sync = True
+        self.buckets = [_Bucket(chunk, group) for chunk in given_bucket_plan(model, bucket_numel)]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.register([p for bucket in self.buckets for p in bucket.params])
+
+    def register(self, params):
+        for p in params:
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+
+    def on_grad_ready(self, param):
+        if self.require_sync:
+            self.bucket_of[param].mark_ready(param)
+
+    @contextmanager
+    def no_sync(self):
+        self.require_sync = False
+        yield
+        self.require_sync = True
+
+    def finish_gradient_sync(self):
+        for b in self.buckets:
+            b.wait()
+
+
+class DPTensorHook(_DataParallel):
+    def register(self, params):  # fires before .grad holds the gradient
+        for p in params:
+            p.register_hook(lambda grad, p=p: self.on_grad_ready(p))
+
+
+class DPAfterBackward(_DataParallel):
+    def register(self, params):
+        pass
+
+    def finish_gradient_sync(self):  # all-reduces after backward: no overlap
+        for b in self.buckets:
+            for p in b.params:
+                b.mark_ready(p)
+        super().finish_gradient_sync()
+
+
+class DPForgetsToWait(_DataParallel):
+    def finish_gradient_sync(self):
+        pass
+
+
+class DPIgnoresNoSync(_DataParallel):
+    def on_grad_ready(self, param):
+        bucket = self.bucket_of[param]
+        if bucket.work is not None:  # still running from the previous micro-batch
+            bucket.wait()
+        bucket.mark_ready(param)
+
+
+HOOKS = Check(
+    "hooks", observe=lambda answers, cases: by_rank(on_ranks(_hooks_on_rank, WORLD, answers, cases)),
+    expect=_expect_hooks, course=COURSE, only=ONLY,
+    note=f"{WORLD} ranks, one backward of a Llama with 11 parameter tensors (the embedding tied to the LM head)",
+    cases=[dict(bucket_numel=n) for n in (0, 3000, 10**9)],   # one bucket per parameter, a few, one for everything
+    columns=lambda case, got: {"buckets": got["buckets"][0], "launched in backward": got["in backward"][0]},
+    quantities={"in backward": Exact("all-reduces started while backward ran (one per bucket)", axes=("rank {}",)),
+                "all-reduces": Exact("all-reduces in all (one per bucket)", axes=("rank {}",)),
+                "waited": Exact("every all-reduce waited for by finish_gradient_sync", axes=("rank {}",)),
+                "stale": Exact("the first parameter whose gradient was not yet in its bucket when the bucket's "
+                               "all-reduce started", axes=("rank {}",)),
+                "grads": Close("the gradients, against one process's gradient of the global batch", n=MODEL_ROUNDINGS,
+                               axes=("rank {}",))},
+    misconceptions=[
+        Misconception(DPAfterBackward, "register a post-accumulate-grad hook on every parameter that marks it ready "
+                                       "in its bucket, so each bucket's all-reduce starts while backward still runs"),
+        Misconception(DPForgetsToWait, "finish_gradient_sync must wait for every bucket's all-reduce before it "
+                                       "returns"),
+        Misconception(DPTensorHook, "mark a parameter ready in a post-accumulate-grad hook (after .grad holds the "
+                                    "gradient), not a tensor hook: the bucket's all-reduce read it before the "
+                                    "gradient was there")])
+
+TRAINING = Check(
+    "DataParallel training", observe=lambda answers, cases: by_rank(on_ranks(_train_on_rank, WORLD, answers, cases)),
+    expect=_expect_training, course=COURSE, only=ONLY,
+    note=f"{WORLD} ranks, {TRAIN_STEPS} AdamW steps; micro-batches of {BATCH_PER_RANK} sequences per rank",
+    cases=[dict(bucket_numel=n, micro_batches=a) for n, a in [(0, 1), (3000, 1), (10**9, 1), (3000, 2), (10**9, 3)]],
+    columns=lambda case, got: {"buckets": got["buckets"][0], "all-reduces/step": max(got["all-reduces"][0])},
+    quantities={"all-reduces": Exact("all-reduces per step (one per bucket)", axes=("rank {}",)),
+                "grads": InTraining("the gradients, against one process's", axes=("rank {}", "step {}")),
+                "weights": Within("the final weights, against one process's", atol=tolerance.ADAM_WEIGHTS_ATOL,
+                                  axes=("rank {}",))},
+    misconceptions=[Misconception(DPIgnoresNoSync, "inside no_sync() the hooks must not mark gradients ready: the "
+                                                   "buckets all-reduce once a step, after the last micro-batch")])
+
+
+def check_hooks(DataParallel: type) -> None:
+    """One backward on 4 ranks: each bucket's all-reduce starts during backward, once; after
+    finish_gradient_sync the gradients equal one process's gradient of the global batch."""
+    HOOKS(DataParallel)
 
 
 def check_data_parallel(DataParallel: type) -> None:
     """5 AdamW steps on 4 ranks, with gradient accumulation inside no_sync(): every step's gradients
     and the final weights equal one process training on the same global batches, with one
     all-reduce per bucket per step."""
-    not_the_course_answer("check_data_parallel", DataParallel, course=PACKAGE)
-    with Report("DataParallel training", note=f"{WORLD} ranks, {TRAIN_STEPS} AdamW steps; micro-batches of "
-                                              f"{BATCH_PER_RANK} sequences per rank") as report:
-        results = on_ranks(_train_on_rank, WORLD, DataParallel, TRAIN_CASES)
-        with one_thread():
-            references = {accum: _train_one_process(accum) for accum in sorted({a for _, a in TRAIN_CASES})}
-        for i, (bucket_numel, accum) in enumerate(TRAIN_CASES):
-            per_rank = [rank[i] for rank in results]
-            grads, weights = references[accum]
-            got = per_rank[0]
-            grad_err = max(max_abs_error(g, e) for r in per_rank for g, e in zip(r["grads"], grads))
-            weight_err = max(max_abs_error(r["weights"], weights) for r in per_rank)
-            detail = ""
-            if max(got["calls"]) != got["buckets"] or min(got["calls"]) != got["buckets"]:
-                detail = (f"all-reduces per step {got['calls']}, expected one per bucket ({got['buckets']})"
-                          + ("; inside no_sync() the hooks must not mark gradients ready" if accum > 1 else ""))
-            else:
-                for rank, r in enumerate(per_rank):
-                    bad = [s for s, (g, e) in enumerate(zip(r["grads"], grads)) if not close_in_training(g, e)]
-                    if bad:
-                        detail = (f"rank {rank}, step {bad[0]}: gradients differ from one process's: "
-                                  f"{mismatch(r['grads'][bad[0]], grads[bad[0]])}")
-                        break
-                if not detail and weight_err > tolerance.ADAM_WEIGHTS_ATOL:  # Adam amplifies round-off: 1e-4
-                    detail = f"final weights differ from one process's by {weight_err:.2e} (> 1e-4)"
-            report.add(not detail, detail, bucket_numel=bucket_numel, micro_batches=accum, buckets=got["buckets"],
-                       **{"all-reduces/step": max(got["calls"])}, max_grad_err=grad_err, max_weight_err=weight_err)
-
-
-def _train_on_rank(DataParallel: type, cases: list) -> list:
-    rank, out = dist.get_rank(), []
-    for bucket_numel, accum in cases:
-        model = _model()
-        dp = DataParallel(model, dist.group.WORLD, bucket_numel)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        grads, calls_per_step = [], []
-        with recorded_all_reduces() as calls:
-            for step in range(TRAIN_STEPS):
-                before = len(calls)
-                for micro in range(accum):
-                    tokens = _tokens(step, micro, rank)
-                    with dp.no_sync() if micro < accum - 1 else nullcontext():
-                        (loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / accum).backward()
-                dp.finish_gradient_sync()
-                calls_per_step.append(len(calls) - before)
-                grads.append(_flat_grads(model))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=False)  # zero the views in place: they are the buckets
-        out.append({"buckets": len(dp.buckets), "calls": calls_per_step, "grads": grads,
-                    "weights": torch.cat([p.detach().flatten() for p in model.parameters()])})
-    return out
-
-
-def _train_one_process(accum: int) -> tuple[list, torch.Tensor]:
-    """Plain torch: the whole global batch (every rank's micro-batches) in one backward per step."""
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    grads = []
-    for step in range(TRAIN_STEPS):
-        batch = torch.cat([_tokens(step, micro, r) for micro in range(accum) for r in range(WORLD)])
-        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-        grads.append(_flat_grads(model))
-        optimizer.step()
-        optimizer.zero_grad()
-    return grads, torch.cat([p.detach().flatten() for p in model.parameters()])
+    TRAINING(DataParallel)
 
 
 # ---- 5. stretch: the bucket plan ---------------------------------------------------------------
@@ -421,9 +588,13 @@ def given_bucket_plan(model: nn.Module, bucket_numel: int) -> list[list[nn.Param
     Trainable parameters, each once, last registered first, cut into groups that close once they
     hold at least `bucket_numel` elements.
     """
-    plan: list[list[nn.Parameter]] = []
+    return _cut([p for p in model.parameters() if p.requires_grad][::-1], bucket_numel)
+
+
+def _cut(params: list, bucket_numel: int) -> list[list]:
+    plan: list[list] = []
     size = 0
-    for param in [p for p in model.parameters() if p.requires_grad][::-1]:
+    for param in params:
         if not plan or size >= bucket_numel:
             plan.append([])
             size = 0
@@ -432,33 +603,8 @@ def given_bucket_plan(model: nn.Module, bucket_numel: int) -> list[list[nn.Param
     return plan
 
 
-# (model, bucket_numel, names of frozen parameters): one bucket per parameter, a few, one for all,
-# a deeper model, and frozen parameters (no gradient, so no hook: they must stay out of every bucket).
-PLAN_CASES = [("1 layer", 0, ()), ("1 layer", 3000, ()), ("1 layer", 10**9, ()), ("2 layers", 2500, ()),
-              ("2 layers", 3000, ("norm.weight", "layers.1.attn.q_proj.weight"))]
 PLAN_MODELS = {"1 layer": CHECK_MODEL, "2 layers": replace(CHECK_MODEL, num_layers=2)}
 COURSE_PLANS = {(PACKAGE, "assign_buckets"), (__name__, "given_bucket_plan")}
-
-
-def check_assign_buckets(assign_buckets: Callable) -> None:
-    """assign_buckets(model, bucket_numel) -> list of buckets (lists of parameters): every trainable
-    parameter exactly once (the tied embedding too), in the order one backward finishes their
-    gradients, cut into consecutive groups that close once they hold >= bucket_numel elements."""
-    with Report("assign_buckets", note="one process; 'ready order' = the order the post-accumulate-grad hooks "
-                                       "fired in one backward of the same model") as report:
-        for model_name, bucket_numel, frozen in PLAN_CASES:
-            model = plan_model(model_name, frozen)
-            ready = ready_order(model)
-            with _course_plan_calls() as called:
-                plan = assign_buckets(model, bucket_numel)
-            if called:
-                raise AssertionError(f"check_assign_buckets: your assign_buckets called {called[0]}, the course's "
-                                     "plan; write your own")
-            detail = _plan_problem(plan, model, ready, bucket_numel)
-            sizes = [sum(p.numel() for p in bucket) for bucket in plan] if not detail else []
-            report.add(not detail, detail, model=model_name, bucket_numel=bucket_numel, frozen=len(frozen),
-                       buckets=len(plan) if isinstance(plan, (list, tuple)) else "-",
-                       **{"largest (elements)": max(sizes, default="-")})
 
 
 def plan_model(name: str, frozen: tuple = ()) -> Llama:
@@ -484,6 +630,48 @@ def ready_order(model: nn.Module) -> list[nn.Parameter]:
     return order
 
 
+def _observe_plans(answers: list, cases: list) -> list:
+    return [[_plan(assign_buckets, case) for case in cases] for assign_buckets in answers]
+
+
+def _plan(assign_buckets: Callable, case: dict) -> dict:
+    model = plan_model(case["model"], case["_frozen"])
+    with _course_plan_calls() as called:
+        plan = assign_buckets(model, case["bucket_numel"])
+    if called:
+        raise AssertionError(f"check_assign_buckets: your assign_buckets called {called[0]}, the course's plan; "
+                             "write your own")
+    return _plan_seen(plan, model)
+
+
+def _plan_seen(plan, model: nn.Module) -> dict:
+    """What a plan is: its kind, the parameters in it by name, in order, and the elements of each bucket."""
+    names = {id(p): name for name, p in model.named_parameters()}   # a tied weight once, by its first name
+    buckets = [list(b) for b in plan] if isinstance(plan, list) and all(isinstance(b, list) for b in plan) else None
+    items = [p for b in buckets for p in b] if buckets is not None else list(plan) if isinstance(plan, list) else []
+    kinds = "/".join(sorted({type(p).__name__ for p in items}))
+    if not isinstance(plan, list):
+        kind = f"a {type(plan).__name__}"
+    elif buckets is None:
+        kind = f"a list of {kinds}"
+    elif not all(isinstance(p, torch.Tensor) for p in items):
+        kind = f"a list of lists of {kinds}"
+    elif any(id(p) not in names for p in items):
+        kind = "a list of lists of tensors, some not parameters of the model"
+    else:
+        kind = "a list of lists of parameters" + (", some empty" if not all(buckets) else "")
+    order = [names.get(id(p), f"<{type(p).__name__}>") for p in items]
+    frozen = [names[id(p)] for p in items if id(p) in names and not p.requires_grad]
+    return {"kind": kind, "repeated": sorted({n for n in order if order.count(n) > 1 and n in names.values()}),
+            "frozen": frozen, "order": order,
+            "elements": [sum(p.numel() for p in b if isinstance(p, torch.Tensor)) for b in buckets or []]}
+
+
+def _expect_plan(case: dict, observed: dict) -> dict:
+    model = plan_model(case["model"], case["_frozen"])
+    return _plan_seen(_cut(ready_order(model), case["bucket_numel"]), model)
+
+
 @contextmanager
 def _course_plan_calls() -> Iterator[list[str]]:
     """Inside the block, note every call of the course's own bucket plans, however they were imported."""
@@ -495,45 +683,87 @@ def _course_plan_calls() -> Iterator[list[str]]:
         yield called
 
 
-def _plan_problem(plan, model: nn.Module, ready: list, bucket_numel: int) -> str:
-    """What is wrong with `plan`, in words, or "" when every fact holds."""
-    names = {id(p): name for name, p in model.named_parameters()}   # a tied weight once, by its first name
-    params = {id(p): p for p in model.parameters()}
-    if not isinstance(plan, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in plan):
-        return (f"return a list of buckets, each a list of parameters; got {type(plan).__name__}"
-                + (f" of {type(plan[0]).__name__}" if isinstance(plan, (list, tuple)) and plan else ""))
-    flat = [p for bucket in plan for p in bucket]
-    if not all(isinstance(p, torch.Tensor) for p in flat):
-        return "a bucket holds something that is not a tensor: put the parameters themselves in, not names or sizes"
-    if any(id(p) not in params for p in flat):
-        return "a bucket holds a tensor that is not a parameter of the model (a copy?): put the parameters themselves in"
-    empty = [i for i, bucket in enumerate(plan) if not bucket]
-    if empty:
-        return f"bucket {empty[0]} is empty: every bucket holds at least one parameter"
-    frozen = [names[id(p)] for p in flat if not p.requires_grad]
-    if frozen:
-        return (f"{frozen[0]} does not require grad: it never gets a gradient, so its hook never fires and its "
-                "bucket would never be full; leave it out")
-    counts = Counter(names[id(p)] for p in flat)
-    twice = [name for name, k in counts.items() if k > 1]
-    if twice:
-        tied = " (the embedding is tied to the LM head: one tensor under two names)" if twice[0] == "embed.weight" else ""
-        return (f"{twice[0]} is in the plan {counts[twice[0]]} times{tied}; put each parameter in exactly one "
-                "bucket, once (model.parameters() lists a tied weight once)")
-    missing = [names[id(p)] for p in ready if names[id(p)] not in counts]
-    if missing:
-        return f"missing from every bucket: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}"
-    for position, (got, want) in enumerate(zip(flat, ready)):
-        if got is not want:
-            return (f"position {position} of the plan holds {names[id(got)]}, but backward finishes {names[id(want)]} "
-                    "there: list the parameters in the order their gradients become ready")
-    for i, bucket in enumerate(plan):
-        size = sum(p.numel() for p in bucket)
-        if i < len(plan) - 1 and size < bucket_numel:
-            return (f"bucket {i} holds {size} elements, fewer than bucket_numel={bucket_numel}, and is not the last: "
-                    "keep filling a bucket until it holds at least bucket_numel elements")
-        if len(bucket) > 1 and size - bucket[-1].numel() >= bucket_numel:
-            return (f"bucket {i} already held {size - bucket[-1].numel()} >= bucket_numel={bucket_numel} elements "
-                    f"before {names[id(bucket[-1])]} was added: close a bucket as soon as it holds at least "
-                    "bucket_numel (a parameter is never split, so a bucket may go over)")
-    return ""
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def plan_registration_order(model, bucket_numel):  # the order forward uses them: backward finishes them last
+    return _cut(_trainable(model), bucket_numel)
+
+
+def plan_tied_twice(model, bucket_numel):  # every name, so the tied embedding also as lm_head.weight
+    return _cut([p for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad][::-1], bucket_numel)
+
+
+def plan_never_over(model, bucket_numel):  # closes a bucket before it would exceed bucket_numel
+    plan, size = [], 0
+    for p in _trainable(model)[::-1]:
+        if not plan or size + p.numel() > bucket_numel:
+            plan.append([])
+            size = 0
+        plan[-1].append(p)
+        size += p.numel()
+    return plan
+
+
+def plan_one_past(model, bucket_numel):  # closes one parameter late
+    plan, size = [], 0
+    for p in _trainable(model)[::-1]:
+        if not plan or (size >= bucket_numel and len(plan[-1]) > 1):
+            plan.append([])
+            size = 0
+        plan[-1].append(p)
+        size += p.numel()
+    return plan
+
+
+def plan_with_frozen(model, bucket_numel):  # a frozen parameter never gets a gradient, nor a hook call
+    return _cut(list(model.parameters())[::-1], bucket_numel)
+
+
+def plan_of_names(model, bucket_numel):
+    return [[name] for name, _ in reversed(list(model.named_parameters()))]
+
+
+def plan_of_copies(model, bucket_numel):
+    return [[p.detach().clone() for p in bucket] for bucket in _cut(_trainable(model)[::-1], bucket_numel)]
+
+
+def plan_flat(model, bucket_numel):
+    return _trainable(model)[::-1]
+
+
+# (model, bucket_numel, names of frozen parameters): one bucket per parameter, a few, one for all,
+# a deeper model, and frozen parameters (no gradient, so no hook: they must stay out of every bucket).
+ASSIGN_BUCKETS = Check(
+    "assign_buckets", observe=_observe_plans, expect=_expect_plan,
+    note="one process; 'ready order': the order the post-accumulate-grad hooks fired in one backward of the model",
+    cases=[dict(model=m, bucket_numel=n, frozen=len(f), _frozen=f) for m, n, f in [
+        ("1 layer", 0, ()), ("1 layer", 3000, ()), ("1 layer", 10**9, ()), ("2 layers", 2500, ()),
+        ("2 layers", 3000, ("norm.weight", "layers.1.attn.q_proj.weight"))]],
+    columns=lambda case, got: {"buckets": len(got["elements"]), "largest": max(got["elements"], default="-")},
+    quantities={"kind": Exact("what assign_buckets returned"),
+                "repeated": Exact("parameters in the plan more than once"),
+                "frozen": Exact("parameters in the plan that do not require grad"),
+                "order": Exact("the parameters in the plan, in order", axes=("position {}",)),
+                "elements": Exact("the elements in each bucket", axes=("bucket {}",))},
+    misconceptions=[
+        Misconception(plan_flat, "return a list of buckets, each a list of parameters"),
+        Misconception(plan_of_names, "put the parameters themselves in the buckets, not names or sizes"),
+        Misconception(plan_of_copies, "put the parameters themselves in the buckets, not copies of them"),
+        Misconception(plan_with_frozen, "leave out a parameter that does not require grad: it never gets a gradient, "
+                                        "so its hook never fires and its bucket would never be full"),
+        Misconception(plan_tied_twice, "put each parameter in exactly one bucket, once: the embedding is tied to the "
+                                       "LM head (one tensor under two names), and model.parameters() lists it once"),
+        Misconception(plan_registration_order, "list the parameters in the order backward finishes their gradients "
+                                               "(the reverse of the order forward uses them)"),
+        Misconception(plan_never_over, "keep filling a bucket until it holds at least bucket_numel elements (a "
+                                       "parameter is never split, so a bucket may go over)"),
+        Misconception(plan_one_past, "close a bucket as soon as it holds at least bucket_numel elements")])
+
+
+def check_assign_buckets(assign_buckets: Callable) -> None:
+    """assign_buckets(model, bucket_numel) -> list of buckets (lists of parameters): every trainable
+    parameter exactly once (the tied embedding too), in the order one backward finishes their
+    gradients, cut into consecutive groups that close once they hold >= bucket_numel elements."""
+    ASSIGN_BUCKETS(assign_buckets)

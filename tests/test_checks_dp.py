@@ -1,7 +1,8 @@
-"""The checks of assignment 02 pass a correct answer and fail planted wrong ones.
+"""The checks of assignment 02 pass a correct answer and refuse the course's own.
 
 The correct answers are written here, not taken from the solution notebook (which runs under
-nbval on its own), so a check that passes everything, or nothing, is caught.
+nbval on its own), so a check that passes everything, or nothing, is caught. The wrong answers
+are the checks' misconceptions, each failing with its hint (tests/test_misconceptions.py).
 """
 
 from contextlib import contextmanager
@@ -10,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron_course.checks_dp import (PLAN_CASES, check_assign_buckets, check_data_parallel, check_grad_bucket,
+from picotron_course import checks_dp
+from picotron_course.checks_dp import (ASSIGN_BUCKETS, check_assign_buckets, check_data_parallel, check_grad_bucket,
                                        check_grad_views, check_hooks, given_bucket_plan, plan_model, ready_order)
 from picotron.parallel import data_parallel as package
 
@@ -106,160 +108,15 @@ def test_correct_answer_passes(check, answer, every_case):
     every_case(CASES)
 
 
-# ---- planted wrong answers -------------------------------------------------------------------
-def gv_copies(params):
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
-    for p in params:
-        p.grad = torch.zeros_like(p)  # its own tensor: backward never reaches the buffer
-    return buffer
-
-
-def gv_reversed(params):
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
-    offset = buffer.numel()
-    for p in params:  # laid out from the end
-        offset -= p.numel()
-        p.grad = buffer[offset:offset + p.numel()].view_as(p)
-    return buffer
-
-
-def gv_returns_nothing(params):
-    ref_grad_views(params)
-
-
-class BucketLaunchesEarly(RefBucket):
-    def mark_ready(self, param):
-        self.ready.add(param)
-        if self.work is not None:
-            self.work.wait()
-        self.launch()  # every time: sends gradients that are not final
-
-
-class BucketBlocks(RefBucket):
-    def launch(self):
-        dist.all_reduce(self.buffer, op=dist.ReduceOp.AVG, group=self.group)
-        self.work = None
-
-    def wait(self):
-        self.ready = set()
-
-
-class BucketPerGradient(RefBucket):
-    def launch(self):
-        works = [dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.group, async_op=True) for p in self.params]
-        self.work = type("Works", (), {"wait": lambda _: [w.wait() for w in works]})()
-
-
-class BucketSums(RefBucket):
-    def launch(self):
-        self.work = dist.all_reduce(self.buffer, group=self.group, async_op=True)  # sum, never divided
-
-
-class BucketNeverResets(RefBucket):
-    def wait(self):
-        self.work.wait()
-
-
-class BucketDoesNotWait(RefBucket):
-    def wait(self):
-        self.work, self.ready = None, set()
-
-
-class DPGradientHook(RefDP):
-    def register(self, params):  # fires before .grad holds the gradient
-        for p in params:
-            p.register_hook(lambda grad, p=p: self.on_grad_ready(p))
-
-
-class DPAfterBackward(RefDP):
-    def register(self, params):
-        pass
-
-    def finish_gradient_sync(self):  # all-reduces after backward: no overlap
-        for b in self.buckets:
-            for p in b.params:
-                b.mark_ready(p)
-        super().finish_gradient_sync()
-
-
-class DPForgetsToWait(RefDP):
-    def finish_gradient_sync(self):
-        pass
-
-
-class DPIgnoresNoSync(RefDP):
-    def on_grad_ready(self, param):
-        bucket = self.bucket_of[param]
-        if bucket.work is not None:  # still running from the previous micro-batch
-            bucket.wait()
-        bucket.mark_ready(param)
-
-
+# ---- answers refused, and a mistake no misconception describes -------------------------------------------
+# The planted wrong answers are the checks' misconceptions (checks_dp.py), tested in test_misconceptions.py.
 class PackageBucket(package.GradBucket):
     def __init__(self, params, group):
         super().__init__(params, group)
 
 
-def plan_registration_order(model, bucket_numel):  # the order forward uses them: backward finishes them last
-    return ref_assign_buckets(_Reversed(model), bucket_numel)
-
-
-class _Reversed:
-    def __init__(self, model):
-        self.model = model
-
-    def parameters(self):
-        return reversed(list(self.model.parameters()))
-
-
-def plan_tied_twice(model, bucket_numel):  # every name, so the tied embedding also as lm_head.weight
-    params = [p for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
-    return [[p] for p in reversed(params)] if bucket_numel == 0 else [list(reversed(params))]
-
-
-def plan_never_over(model, bucket_numel):  # closes a bucket before it would exceed bucket_numel
-    plan, size = [], 0
-    for p in reversed([p for p in model.parameters() if p.requires_grad]):
-        if not plan or size + p.numel() > bucket_numel:
-            plan.append([])
-            size = 0
-        plan[-1].append(p)
-        size += p.numel()
-    return plan
-
-
-def plan_one_past(model, bucket_numel):  # closes one parameter late
-    plan, size = [], 0
-    for p in reversed([p for p in model.parameters() if p.requires_grad]):
-        if not plan or (size >= bucket_numel and len(plan[-1]) > 1):
-            plan.append([])
-            size = 0
-        plan[-1].append(p)
-        size += p.numel()
-    return plan
-
-
-def plan_with_frozen(model, bucket_numel):  # a frozen parameter never gets a gradient, nor a hook call
-    plan, size = [], 0
-    for p in reversed(list(model.parameters())):
-        if not plan or size >= bucket_numel:
-            plan.append([])
-            size = 0
-        plan[-1].append(p)
-        size += p.numel()
-    return plan
-
-
-def plan_of_names(model, bucket_numel):
-    return [[name] for name, _ in reversed(list(model.named_parameters()))]
-
-
-def plan_of_copies(model, bucket_numel):
-    return [[p.detach().clone() for p in bucket] for bucket in ref_assign_buckets(model, bucket_numel)]
-
-
-def plan_flat(model, bucket_numel):
-    return [p for bucket in ref_assign_buckets(model, bucket_numel) for p in bucket]
+class MisconceptionsBase(checks_dp._DataParallel):   # the correct base the misconceptions change
+    pass
 
 
 def plan_given(model, bucket_numel):
@@ -270,44 +127,34 @@ def plan_package(model, bucket_numel):
     return package.assign_buckets([p for p in model.parameters() if p.requires_grad][::-1], bucket_numel)
 
 
-WRONG_ANSWERS = [
-    (check_grad_views, gv_copies, "not a view of the buffer"),
-    (check_grad_views, gv_reversed, "in the order given"),
-    (check_grad_views, gv_returns_nothing, "must return the flat buffer"),
-    (check_grad_bucket, BucketLaunchesEarly, "before the bucket's last gradient was ready"),
-    (check_grad_bucket, BucketBlocks, "async_op=True"),
-    (check_grad_bucket, BucketPerGradient, "launched 3 all-reduces"),
-    (check_grad_bucket, BucketSums, "looks like the sum"),
-    (check_grad_bucket, BucketNeverResets, "before the bucket's last gradient was ready"),
-    (check_grad_bucket, BucketDoesNotWait, r"did not call \.wait\(\)"),
-    (check_grad_bucket, PackageBucket, "the course's answer"),
-    (check_hooks, DPGradientHook, "gradients differ from one process's"),
-    (check_hooks, DPAfterBackward, "started their all-reduce while backward ran"),
-    (check_hooks, DPForgetsToWait, "before waiting"),
-    (check_data_parallel, DPIgnoresNoSync, "inside no_sync"),
-    (check_assign_buckets, plan_registration_order, "backward finishes"),
-    (check_assign_buckets, plan_tied_twice, "embed.weight is in the plan 2 times .the embedding is tied"),
-    (check_assign_buckets, plan_never_over, "fewer than bucket_numel"),
-    (check_assign_buckets, plan_one_past, "close a bucket as soon as"),
-    (check_assign_buckets, plan_with_frozen, "does not require grad"),
-    (check_assign_buckets, plan_of_names, "not a tensor"),
-    (check_assign_buckets, plan_of_copies, "not a parameter of the model"),
-    (check_assign_buckets, plan_flat, "list of buckets"),
-    (check_assign_buckets, plan_given, "given_bucket_plan, the course's plan"),
-    (check_assign_buckets, plan_package, "data_parallel.assign_buckets, the course's plan"),
-]
-REFUSED = {PackageBucket, plan_given, plan_package}  # refused before a table is printed
+REFUSED = [(check_grad_bucket, PackageBucket, "the course's answer"),
+           (check_grad_bucket, checks_dp._Bucket, "the course's answer"),
+           (check_hooks, MisconceptionsBase, "the course's answer"),
+           (check_assign_buckets, plan_given, "given_bucket_plan, the course's plan"),
+           (check_assign_buckets, plan_package, "data_parallel.assign_buckets, the course's plan")]
 
 
-@pytest.mark.parametrize("check, answer, says", WRONG_ANSWERS, ids=[a.__name__ for _, a, _ in WRONG_ANSWERS])
-def test_wrong_answer_fails(check, answer, says, capsys):
+@pytest.mark.parametrize("check, answer, says", REFUSED, ids=[a.__name__ for _, a, _ in REFUSED])
+def test_the_course_answer_is_refused(check, answer, says, capsys):
     with pytest.raises(AssertionError, match=says):
         check(answer)
-    if answer not in REFUSED:
-        assert "FAIL" in capsys.readouterr().out
+    assert "FAIL" not in capsys.readouterr().out   # refused before a table is printed
 
 
-@pytest.mark.parametrize("model_name, frozen", sorted({(m, f) for m, _, f in PLAN_CASES}))
+class BucketDoublesTheMean(RefBucket):
+    def wait(self):
+        super().wait()
+        self.buffer.mul_(2)
+
+
+def test_a_mistake_no_misconception_describes_gets_the_difference_without_a_hint(capsys):
+    """Fails like BucketSums (the gradients after wait()), but with other values: no hint is given."""
+    with pytest.raises(AssertionError, match=r"the gradients after wait\(\).*\(rank 0, params\[0\]\)") as error:
+        check_grad_bucket(BucketDoublesTheMean)
+    assert "Hint" not in str(error.value) and "hint:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model_name, frozen", sorted({(c["model"], c["_frozen"]) for c in ASSIGN_BUCKETS.cases}))
 def test_reverse_registration_is_the_ready_order_of_the_check_models(model_name, frozen):
     """The proxy the stretch task names is exact for the check's models: the check's 'ready order'
     (measured from the hooks of one backward) is model.parameters() reversed, the tied embedding last."""

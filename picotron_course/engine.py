@@ -1,0 +1,245 @@
+"""One engine judges every declared check: what it runs, what it expects, and the misconceptions it knows.
+
+A check is a declaration. It names its cases, how to run an answer on them (`observe`: on N ranks or in this
+process, it returns what it saw, one dict of observations a case), what a correct answer observes (`expect`:
+single-process torch, computed here), what each observation is in words and how close is equal (`Exact`,
+`Close`, `InTraining`, `Within`), and its misconceptions. The engine runs the answer, compares every
+observation of every case, prints one row a case, and raises AssertionError naming the first difference:
+
+    GRAD_BUCKET = Check("GradBucket", cases=[dict(shapes=[(3, 4)], dtype=torch.float32), ...],
+                        observe=observe_buckets, expect=mean_over_ranks,
+                        quantities={"all-reduces": Exact("the all-reduces launched, in order"),
+                                    "grads": Close("gradients after wait()", n=WORLD + 1, axes=("rank {}",))},
+                        misconceptions=[Misconception(BucketSums, "divide by the world size: ...")])
+
+    def check_grad_bucket(GradBucket):
+        GRAD_BUCKET(GradBucket)
+
+A misconception is one record: a wrong implementation and the hint a learner who wrote it should read. When an
+answer fails, the engine runs the check's misconceptions on the same cases (one more run) and reports the hint of
+the first whose mistake the answer reproduces: it fails in the same cases, first at the same observation, with
+the same value there (what follows a first mistake, say a gradient an early all-reduce read, may vary by run). The same records are the tests of the check (tests/test_misconceptions.py): each must fail its
+check with its own hint, so two records that cannot be told apart, or a check that cannot see one, fail there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from picotron_course.checks import Report, close_enough, close_in_training, max_abs_error, mismatch, preview
+from picotron_course.checks import not_the_course_answer
+
+__all__ = ["Quantity", "Exact", "Close", "InTraining", "Within", "Misconception", "Check", "CHECKS", "by_rank"]
+
+CHECKS: list["Check"] = []   # every check declared, in the order its module was imported
+
+
+class _Nothing:
+    """Past the end of a list (one list shorter than the other)."""
+
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+NOTHING = _Nothing()
+
+
+# ---- how two observations are compared --------------------------------------------------------
+@dataclass(frozen=True)
+class Quantity:
+    """One observation a check compares: what it is, in words; `axes` name the levels of a nested value
+    ("rank {}", "params[{}]"), so a difference is found and named inside it."""
+    says: str
+    axes: tuple = ()
+
+    def equal(self, got, want) -> bool:
+        raise NotImplementedError
+
+    def shown(self, got, want) -> str:
+        return f"expected {_short(want)}, got {_short(got)}"
+
+    def error(self, got, want) -> float:
+        """The largest absolute error of the tensors inside (NaN for a quantity without tensors)."""
+        return math.nan
+
+    def difference(self, got, want) -> str:
+        """"" when equal, else where the first difference lies and what it is."""
+        path, got, want = self._first_difference(got, want, self.axes)
+        if path is None:
+            return ""
+        return f"{self.says}" + (f" ({', '.join(path)})" if path else "") + f": {self.shown(got, want)}"
+
+    def _first_difference(self, got, want, axes):
+        if axes and isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+            for i in range(max(len(got), len(want))):
+                g, w = (got[i] if i < len(got) else NOTHING), (want[i] if i < len(want) else NOTHING)
+                path, g, w = self._first_difference(g, w, axes[1:])
+                if path is not None:
+                    return [axes[0].format(i), *path], g, w
+            return None, got, want
+        return (None if self.equal(got, want) else []), got, want
+
+
+@dataclass(frozen=True)
+class Exact(Quantity):
+    """Equal as Python values: counts, names, what a call was given, in order."""
+
+    def equal(self, got, want) -> bool:
+        return got == want
+
+
+class _Tensors(Quantity):
+    def equal(self, got, want) -> bool:
+        if isinstance(want, torch.Tensor):
+            return isinstance(got, torch.Tensor) and self.close(got, want)
+        if isinstance(want, (list, tuple)):
+            return isinstance(got, (list, tuple)) and len(got) == len(want) and all(
+                self.equal(g, w) for g, w in zip(got, want))
+        return got == want
+
+    def shown(self, got, want) -> str:
+        if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor):
+            return mismatch(got, want.to(got.dtype) if got.shape == want.shape else want)
+        return super().shown(got, want)
+
+    def error(self, got, want) -> float:
+        if isinstance(want, torch.Tensor):
+            return max_abs_error(got, want) if isinstance(got, torch.Tensor) else math.inf
+        if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)) and len(got) == len(want):
+            return max((self.error(g, w) for g, w in zip(got, want)), default=math.nan)
+        return math.nan if want is None else math.inf
+
+
+@dataclass(frozen=True)
+class Close(_Tensors):
+    """Tensors equal up to the rounding of the `n` operations behind each number (picotron.tolerance)."""
+    n: int = 1
+    dtype: Any = None
+
+    def close(self, got, want) -> bool:
+        return close_enough(got, want, self.dtype, n=self.n)
+
+
+@dataclass(frozen=True)
+class InTraining(_Tensors):
+    """Gradients some steps into training against one process's: the course's claim (tolerance.TRAINING_GRAD_TOL)."""
+
+    def close(self, got, want) -> bool:
+        return close_in_training(got, want)
+
+
+@dataclass(frozen=True)
+class Within(_Tensors):
+    """Tensors within an absolute tolerance (weights after AdamW steps: tolerance.ADAM_WEIGHTS_ATOL)."""
+    atol: float = 0.0
+
+    def close(self, got, want) -> bool:
+        return max_abs_error(got, want) <= self.atol
+
+    def shown(self, got, want) -> str:
+        return f"off by {self.error(got, want):.2e} (> {self.atol:.0e}); " + super().shown(got, want)
+
+
+# ---- a check ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Misconception:
+    """A wrong answer a learner may write, and the hint that sets it right."""
+    answer: Any
+    hint: str
+
+    @property
+    def name(self) -> str:
+        return getattr(self.answer, "__name__", type(self.answer).__name__)
+
+
+@dataclass
+class Check:
+    """A check as data; calling it judges an answer (prints the table, raises AssertionError on a wrong one).
+
+    observe(answers, cases) -> for each answer, a list of observation dicts (one a case); it runs them all in one
+    launch when they need ranks. expect(case, observed) -> the observations of a correct answer (`observed`, the
+    answer's own, for expectations relative to it: one all-reduce per bucket *it* made). columns(case, observed)
+    -> extra columns of the table. course: the module(s) whose own answer is refused (not_the_course_answer).
+    """
+    title: str
+    cases: list[dict]
+    observe: Callable[[list, list], list]
+    expect: Callable[[dict, dict], dict]
+    quantities: dict[str, Quantity]
+    misconceptions: list[Misconception] = field(default_factory=list)
+    columns: Callable[[dict, dict], dict] | None = None
+    note: str = ""
+    course: str | tuple | None = None
+    only: dict | None = None
+
+    def __post_init__(self):
+        CHECKS.append(self)
+
+    def refuse(self, answer, *made) -> None:
+        """Refuse `answer`, and what it made (an instance, its parts), when it is the course's own code
+        (not_the_course_answer with `course` and `only`), unless it is one of this check's misconceptions."""
+        if self.course and all(answer is not m.answer for m in self.misconceptions):
+            not_the_course_answer(self.title, answer, *made, course=self.course, only=self.only)
+
+    def __call__(self, answer) -> None:
+        self.refuse(answer)
+        observed = self.observe([answer], self.cases)[0]
+        expected = [self.expect(case, got) for case, got in zip(self.cases, observed)]
+        differences = [self.differences(got, want) for got, want in zip(observed, expected)]
+        report = Report(self.title, self.note)
+        for case, got, want, wrong in zip(self.cases, observed, expected, differences):
+            errors = [q.error(got.get(k), want[k]) for k, q in self.quantities.items() if isinstance(q, _Tensors)]
+            shown = {k: v for k, v in case.items() if not k.startswith("_")}
+            report.add(not wrong, next(iter(wrong.values()), ""), **shown,
+                       **(self.columns(case, got) if self.columns else {}),
+                       **({"max_abs_err": max(errors, key=lambda e: -1 if math.isnan(e) else e)} if errors else {}))
+        if any(differences):
+            report.hint = self.hint(observed, expected, differences)
+        report.finish()
+
+    def differences(self, got: dict, want: dict) -> dict[str, str]:
+        """{quantity: what differs} for the quantities of one case that differ from the expected ones."""
+        found = {key: quantity.difference(got.get(key), want[key]) for key, quantity in self.quantities.items()
+                 if key in want}
+        return {key: text for key, text in found.items() if text}
+
+    def hint(self, observed: list, expected: list, differences: list) -> str:
+        """The hint of the first misconception the answer reproduces, "" when none does."""
+        if not self.misconceptions:
+            return ""
+        try:
+            theirs = self.observe([m.answer for m in self.misconceptions], self.cases)
+        except Exception:   # noqa: BLE001  (a record that cannot run on this machine gives no hint)
+            return ""
+        for misconception, their in zip(self.misconceptions, theirs):
+            if all(self._same_mistake(mine, wrong, want, them)
+                   for mine, wrong, want, them in zip(observed, differences, expected, their)):
+                return misconception.hint
+        return ""
+
+    def _same_mistake(self, mine: dict, wrong: dict, want: dict, theirs: dict) -> bool:
+        """The misconception goes wrong in the same case, first at the same quantity, with the same value there.
+        Only the first difference counts: what follows it (a gradient an early all-reduce read) may vary by run."""
+        first = next(iter(self.differences(theirs, want)), None)
+        if first != next(iter(wrong), None):
+            return False
+        return first is None or self.quantities[first].equal(mine.get(first), theirs.get(first))
+
+
+# ---- observations made on ranks ----------------------------------------------------------------
+def by_rank(per_rank: list) -> list:
+    """What each rank returned, [rank][answer][case] dicts, as [answer][case] dicts whose values are lists over
+    the ranks: the shape `observe` returns."""
+    return [[{key: [rank[a][c][key] for rank in per_rank] for key in per_rank[0][a][c]}
+             for c in range(len(per_rank[0][a]))] for a in range(len(per_rank[0]))]
+
+
+def _short(value, limit: int = 160) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, {preview(value)}"
+    text = repr(value) if not isinstance(value, str) else value or "nothing"
+    return text if len(text) <= limit else text[:limit - 5] + " ...]"
