@@ -1,41 +1,40 @@
-"""The checks of assignment 07: expert parallelism, tokens sent to their experts and back by all-to-all.
+"""The checks of assignment 07: expert parallelism, tokens sent to their experts and back by all-to-all,
+declared on the course's engine (picotron_course.engine).
 
-A mixture-of-experts layer has E = 8 experts split over the ep ranks of a group: rank r of the group
-holds experts [r E/ep, (r+1) E/ep). The checks that communicate run the learner's code on 4 ranks, as
-one ep group of 4 and as two ep groups of 2 (ranks 0-1 and 2-3: a rank's place in its group differs
-from its global rank), in one launch per check. They compare with single-process math done here, in
-the parent: for the whole layer, a plain loop over every token and its top-k experts (the sum of
-gate x expert(token)) in float64, and its autograd gradients. Nothing here uses
-picotron.parallel.expert_parallel or picotron.model's MoE, the code the assignment rebuilds.
+A mixture-of-experts layer has E = 8 experts split over the ep ranks of a group: rank r of the group holds experts
+[r E/ep, (r+1) E/ep). The checks that communicate run the learner's code on 4 ranks, as one ep group of 4 and as
+two ep groups of 2 (ranks 0-1 and 2-3: a rank's place in its group differs from its global rank), in one launch.
+They observe what each rank raised, the collectives of each phase in words (operation, bytes, split sizes, group
+size), what the code returned, values and gradients, and compare with single-process math done here, in the
+parent: for the whole layer, a plain loop over every token and its top-k experts in float64, and its autograd
+gradients. Nothing here uses picotron.parallel.expert_parallel or picotron.model's MoE, the code rebuilt.
 
     check_permute(permute)        one process: the (token, choice) slots grouped by expert, their order, the counts
     check_all_to_all(AllToAll)    rows to their ranks with uneven splits; backward the reverse all-to-all
-    check_dispatch(dispatch)      an all-to-all of the counts, then of the rows (exactly the rows routed); what
-                                  each rank receives, from whom, and the gradient that comes back
-    check_combine(combine)        the reverse all-to-all, un-permute, gates: y, and the gradients of the expert
-                                  outputs and of the gates
+    check_dispatch(dispatch)      an all-to-all of the counts, then one of exactly the rows routed; what each rank
+                                  receives, from whom, and the gradient that comes back
+    check_combine(combine)        the reverse all-to-all, un-permute, gates: y and the gradients of expert_out, gates
     check_expert_parallel_moe(permute, dispatch, combine)
-                                  the whole layer, router and experts included, equals the dense loop: y, x.grad
-                                  and every local expert's weight gradients; 3 all-to-alls forward, 2 backward
+                                  the whole layer, router and experts included, equals the dense loop: y, x.grad and
+                                  every local expert's weight gradients; 3 all-to-alls forward, 2 backward
     check_capacity_moe(capacity_moe)
                                   stretch, one process: each expert keeps at most C = ceil(factor T k / E) slots in
-                                  GShard's priority (first choices first, then token order); out = x + the kept
-                                  slots' gate-weighted outputs, each expert called once; gradients. The reference
-                                  is a plain loop written from the task text, in float64
+                                  GShard's priority; out = x + the kept slots' gate-weighted outputs, each expert
+                                  called once; gradients. The reference: a plain loop from the task text, in float64
     unpermute_demo(unpermute)     predict, then run: a given way back from the experts' order to the tokens, in a
                                   layer and in a small causal LM trained beside the right one (not a check)
 
-The routings cover random top-2 and top-1, a skewed one where experts 6 and 7 get no token (so with
-ep = 4 rank 3 receives nothing), and one where rank 1 sends no row to one of the ranks.
-
-Inside the ranks, `recorded_exchanges` notes every collective a rank calls (operation, bytes handed in,
-split sizes, group size). Before each all-to-all runs, it also compares the split sizes of every rank
-of the group (one small all-gather of its own, not recorded): gloo crashes, or mixes rows up, when
-they disagree, and the check says instead which rank sends what to whom.
+The routings cover random top-2 and top-1, a skewed one where experts 6 and 7 get no token (so with ep = 4 rank 3
+receives nothing), and one where rank 1 sends no row to one of the ranks. Inside the ranks, `recorded_exchanges`
+notes every collective; before each all-to-all runs, it compares the split sizes of every rank of the group (a
+small all-gather of its own, not recorded): gloo crashes, or mixes rows up, when they disagree, and the check says
+instead which rank sends what to whom. Each check's misconceptions are wrong answers learners write, with the hint
+each should read.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,9 +45,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from picotron_course.checks import (Report, close_enough, collectives_observed, max_abs_error, mismatch,
-                                    on_ranks, one_thread, payload_of, rank_tensor)
-from picotron_course.checks import all_ranks_ok, grad_of, not_the_course_answer, worst_error
+from picotron_course.checks import (all_ranks_ok, close_enough, collectives_observed, grad_of, on_ranks, one_thread,
+                                    payload_of, raised, rank_tensor)
+from picotron_course.engine import Check, Close, Exact, Misconception, Within, by_rank
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",
            "check_capacity_moe", "unpermute_demo", "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe",
@@ -64,7 +63,10 @@ FFN = 8                    # each expert: h -> FFN -> h
 # over its top-k slots (k <= 3), forward and backward, and a weight gradient's sum over up to 4 ranks' 8 tokens
 # x 3 slots.
 ROUNDINGS = 2 * (HIDDEN + FFN + 3) + WORLD * 8 * 3
-COURSE = ("picotron.parallel.expert_parallel", "picotron.model")
+# picotron's answers, and the correct bases of this file's misconceptions (refused as answers)
+COURSE = ("picotron.parallel.expert_parallel", "picotron.model", __name__)
+ONLY = {__name__: {"_permute", "_AllToAll", "_dispatch", "_combine", "_capacity_moe"}}
+RANK = ("rank {}",)
 
 # (name, tokens per rank, top_k, routing). "skewed": expert 0 favoured, experts 6 and 7 never chosen;
 # "gap": rank 1 of the group never chooses the experts of rank (2 mod ep), so it sends it no row.
@@ -85,6 +87,39 @@ SPLIT_RULE = ("all_to_all_single(output, input, output_split_sizes, input_split_
               "output_split_sizes[j] = rows it receives from rank j (they add up to the output's rows)")
 
 
+# ---- how the observations are compared and shown ---------------------------------------------------
+@dataclass(frozen=True)
+class Said(Exact):
+    """Exact, shown whole: what a rank raised, the collectives of a phase, what a function returned (the engine's
+    Exact cuts a value at 160 characters: a proposed engine feature)."""
+
+    def shown(self, got, want) -> str:
+        return f"expected {_words(want)}; got {_words(got)}"
+
+
+def _words(value) -> str:
+    if isinstance(value, list):
+        return ", then ".join(map(str, value)) or "no collective"
+    return "nothing" if value is None or value == "" else str(value)
+
+
+def _what(value) -> str:
+    return f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
+
+
+def _tensor(t, dtype: bool = False, grad: bool = False) -> str:
+    """A tensor in words: its shape, and its dtype or whether it requires grad when asked."""
+    if not isinstance(t, torch.Tensor):
+        return _what(t)
+    return (f"{tuple(t.shape)}" + (f" {str(t.dtype).removeprefix('torch.')}" if dtype else "")
+            + ((" requiring grad" if t.requires_grad else " not requiring grad") if grad else ""))
+
+
+def _wanted(*shape) -> str:
+    """The words of a tensor of that shape that requires grad: what a differentiable step must return."""
+    return _tensor(torch.empty(shape, requires_grad=True), grad=True)
+
+
 # ---- recording (and guarding) the collectives a rank makes ------------------------------------------
 @dataclass(frozen=True)
 class Exchange:
@@ -96,6 +131,17 @@ class Exchange:
     send: tuple | None
     recv: tuple | None
     group_size: int
+
+    def said(self) -> str:
+        return _collective(self.op, self.nbytes, self.group_size, self.send, self.recv)
+
+
+def _collective(op: str, nbytes: int, group_size: int, send=None, recv=None) -> str:
+    """A collective in words, as the checks compare them: 'all_to_all (64 B over 4 ranks, sends [2, 2, 2, 2] rows,
+    receives [2, 2, 2, 2])'."""
+    rows = (f", sends {list(send) if send is not None else '?'} rows, receives "
+            f"{list(recv) if recv is not None else '?'}" if op == "all_to_all" else "")
+    return f"{op} ({nbytes} B over {group_size} ranks{rows})"
 
 
 class SplitsDisagree(AssertionError):
@@ -201,94 +247,6 @@ def _splits_problem(table: list[list[int]], size: int) -> str:
                 return (f"rank {i} of the group sends {sent} rows to rank {j}, but rank {j} expects {expected} from "
                         f"rank {i}. A rank learns what it will receive only from the others: exchange the counts "
                         f"first (an all-to-all of the per-expert counts). {SPLIT_RULE}")
-    return ""
-
-
-def describe(calls: list[Exchange], ep: int | None = None) -> str:
-    """'none', or e.g. 'all_to_all 64 B, all_to_all 288 B' in call order (the group size when it is not ep)."""
-    if not calls:
-        return "none"
-    parts = []
-    for call in calls:
-        text = f"{call.op} {call.nbytes} B"
-        if ep is not None and call.group_size != ep and call.op not in ("send", "isend"):
-            text += f" over {call.group_size}"
-        parts.append(text)
-    return ", ".join(parts)
-
-
-# ---- tools shared by the checks -----------------------------------------------------------------
-def _groups() -> list[tuple[int, object, list[int]]]:
-    """(ep, group, global ranks of the group) for each group this rank is in: all 4, then its pair."""
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    rank = dist.get_rank()
-    return [(WORLD, dist.group.WORLD, list(range(WORLD))), (2, pairs[rank // 2], [0, 1] if rank < 2 else [2, 3])]
-
-
-def _members(ep: int, rank: int) -> list[int]:
-    """The global ranks of `rank`'s ep group, as `_groups` makes them."""
-    return list(range(WORLD)) if ep == WORLD else ([0, 1] if rank < 2 else [2, 3])
-
-
-def _cases(items: list) -> list[tuple[int, int, object]]:
-    """(ep, seed, item) in the order the ranks run them."""
-    return [(ep, seed, item) for ep in EP_SIZES for seed, item in enumerate(items)]
-
-
-def _attempt(result: dict, step: str, fn: Callable, *args):
-    """Call the learner's `fn`; an error (other than NotImplementedError) is noted in `result` for the table.
-
-    The splits guard raises on every rank of the group together, and a step without collectives fails
-    alone without leaving another rank waiting, so the ranks stay in step."""
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise
-    except SplitsDisagree as e:
-        result.setdefault("problem", (step, str(e), True))
-    except Exception as e:  # noqa: BLE001 - reported in the table, with the step and the rank
-        result.setdefault("problem", (step, f"{type(e).__name__}: {e}", False))
-    return None
-
-
-def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
-    """The gradient of a leaf, zeros where nothing reached it (an expert no token chose, a rank that got no row)."""
-    return torch.zeros_like(t) if t.grad is None else t.grad
-
-
-def _problem_of(per_rank: list, backward: bool = False) -> str:
-    """The first error a rank noted in forward (or in backward), as a sentence."""
-    for rank, result in enumerate(per_rank):
-        if "problem" in result:
-            step, message, guard = result["problem"]
-            if ("backward" in step) == backward:
-                return message if guard else f"rank {rank}: {step} raised {message}"
-    return ""
-
-
-def _shape_problem(per_rank: list) -> str:
-    for rank, result in enumerate(per_rank):
-        if "bad" in result:
-            return f"rank {rank}: {result['bad']}"
-    return ""
-
-
-def _max_err(per_rank: list, pairs: list) -> float:
-    errors = [worst_error(per_rank, key, wants) for key, wants in pairs]
-    return max((e for e in errors if not math.isnan(e)), default=math.nan)
-
-
-def _value_problem(per_rank: list, key: str, wants: list, what: str, hint: Callable | None = None) -> str:
-    """The first rank whose `key` differs from its expected value (float64 math, fp32 tolerance)."""
-    for rank, (result, want) in enumerate(zip(per_rank, wants)):
-        if key not in result:
-            continue
-        got = result[key]
-        if got is None:
-            return f"rank {rank}: {what} is None" + (hint(None, want, rank) if hint else "")
-        if not close_enough(got, want.to(got.dtype), FP32, n=ROUNDINGS):
-            extra = hint(got, want, rank) if hint else ""
-            return f"rank {rank}: {what} is wrong{extra}. {mismatch(got, want.to(got.dtype))}"
     return ""
 
 
@@ -408,76 +366,201 @@ def _sorted_rows(plan: _Plan, s: int, x: torch.Tensor) -> torch.Tensor:
     return x[torch.div(plan.orders[s], plan.top_k, rounding_mode="floor")]
 
 
+# ---- running the answers on the ranks -----------------------------------------------------------------
+def _members(ep: int, rank: int) -> list[int]:
+    """The global ranks of `rank`'s ep group: all 4, or its pair (0-1 or 2-3)."""
+    return list(range(WORLD)) if ep == WORLD else ([0, 1] if rank < 2 else [2, 3])
+
+
+def _on_ranks(run_case: Callable) -> Callable:
+    """observe(answers, cases) of a check on ranks: one launch runs every answer on every case, each in the group
+    of its ep; the observations by answer and case, each a list over the ranks (engine.by_rank)."""
+    return lambda answers, cases: by_rank(on_ranks(_every_case, WORLD, run_case, answers, cases))
+
+
+def _in_process(run_case: Callable) -> Callable:
+    """observe(answers, cases) of a check in this process."""
+    return lambda answers, cases: [[run_case(answer, case) for case in cases] for answer in answers]
+
+
+def _every_case(run_case: Callable, answers: list, cases: list) -> list:
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups = {WORLD: dist.group.WORLD, 2: pairs[dist.get_rank() // 2]}
+    return [[run_case(answer, case, groups[case["ep"]]) for case in cases] for answer in answers]
+
+
+def _route_cases(**columns: Callable) -> list[dict]:
+    """The routings in ep = 4, then in ep = 2 (the rows of a table); `columns`: more of them, from the routing."""
+    return [dict(ep=ep, case=_case_name(route, ep), **{k: f(route) for k, f in columns.items()}, _seed=seed,
+                 _route=route) for ep in EP_SIZES for seed, route in enumerate(ROUTE_CASES)]
+
+
+def _plan_of(case: dict, rank: int) -> _Plan:
+    return _plan(_members(case["ep"], rank), case["_seed"], case["_route"])
+
+
+def _unseen(check: Check) -> dict:
+    """A rank's observations before it made any: every quantity None, nothing raised."""
+    return dict.fromkeys(check.quantities) | {"raised": "", "backward raised": ""}
+
+
+def _step(seen: dict, key: str, step: str, fn: Callable, *args, raised_key: str = "raised"):
+    """Run one step of the learner's code on this rank: its collectives go to seen[key] in words, the first error
+    to seen[raised_key] (NotImplementedError goes through). The splits guard raises on every rank of the group
+    together, and a step without collectives fails alone without leaving another rank waiting, so the ranks stay
+    in step."""
+    with recorded_exchanges(step) as calls:
+        try:
+            out = fn(*args)
+        except NotImplementedError:
+            raise
+        except SplitsDisagree as e:
+            out, seen[raised_key] = None, seen[raised_key] or str(e)
+        except Exception as e:  # noqa: BLE001 - observed, with the step and the rank
+            out, seen[raised_key] = None, seen[raised_key] or "{} raised {}: {}".format(step, *raised(e))
+    seen[key] = [call.said() for call in calls]
+    return out
+
+
+def _backward(seen: dict, group, step: str, y, upstream: torch.Tensor, leaves: dict) -> None:
+    """Once every rank of the group has its y (None on a rank that has none: then no rank goes on),
+    backpropagate sum(y * upstream): its collectives to seen["backward"], the leaves' gradients to seen."""
+    if all_ranks_ok(y is not None, group):
+        _step(seen, "backward", f"{step}'s backward", lambda: (y * upstream).sum().backward(),
+              raised_key="backward raised")
+        seen.update({key: grad_of(t) for key, t in leaves.items()})
+        all_ranks_ok(True, group)
+
+
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    """The gradient of a leaf, zeros where nothing reached it (an expert no token chose, a rank that got no row)."""
+    return torch.zeros_like(t) if t.grad is None else t.grad
+
+
 # ---- 1. permute -----------------------------------------------------------------------------------
-def _permute_inputs(case: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    _, tokens, top_k, experts, bias = case
-    x = rank_tensor(50, (tokens, HIDDEN), FP32, seed)
-    scores = rank_tensor(60, (tokens, experts), FP32, seed)
-    for expert, shift in bias.items():
+def _permute_inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    x = rank_tensor(50, (case["T"], HIDDEN), FP32, case["_seed"])
+    scores = rank_tensor(60, (case["T"], case["E"]), FP32, case["_seed"])
+    for expert, shift in case["_bias"].items():
         scores[:, expert] += shift
-    return x, scores.topk(top_k, dim=-1).indices
+    return x, scores.topk(case["k"], dim=-1).indices
+
+
+def _permute_said(got) -> str:
+    if not (isinstance(got, (tuple, list)) and len(got) == 3):
+        return _what(got)
+    return "rows {}, order {}, counts {}".format(_tensor(got[0]), _tensor(got[1], dtype=True), _tensor(got[2]))
+
+
+def _permute_shapes(slots: int, experts: int = NUM_EXPERTS) -> tuple:
+    """A stand-in answer of the right shapes, whose description is the expected one."""
+    return torch.empty(slots, HIDDEN), torch.empty(slots, dtype=torch.long), torch.empty(experts)
+
+
+def _permuted(permute: Callable, case: dict) -> dict:
+    x, ids = _permute_inputs(case)
+    got = permute(x.requires_grad_(), ids.clone(), case["E"])
+    seen = dict.fromkeys(PERMUTE.quantities) | {"returned": _permute_said(got), "_order": None}
+    if seen["returned"] != _permute_said(_permute_shapes(ids.numel(), case["E"])):
+        return seen
+    rows, order, counts = got
+    seen.update(order=sorted(order.tolist()), counts=counts.tolist(), grad=rows.requires_grad)
+    if seen["order"] == list(range(ids.numel())):
+        seen.update(experts=ids.flatten()[order].tolist(), rows=rows.detach().clone(), _order=order.tolist())
+        if rows.requires_grad:
+            (rows * rank_tensor(70, rows.shape, FP32, 0)).sum().backward()
+            seen["x.grad"] = grad_of(x)
+    return seen
+
+
+def _expect_permute(case: dict, seen: dict) -> dict:
+    """What rows and x.grad must be follows the answer's own order (any order inside an expert's rows is right)."""
+    x, ids = _permute_inputs(case)
+    slots = ids.numel()
+    token = torch.tensor(seen["_order"] or list(range(slots))) // case["k"]
+    return {"returned": _permute_said(_permute_shapes(slots, case["E"])),
+            "order": list(range(slots)), "counts": torch.bincount(ids.flatten(), minlength=case["E"]).tolist(),
+            "experts": sorted(ids.flatten().tolist()), "rows": x[token], "grad": True,
+            "x.grad": torch.zeros_like(x).index_add(0, token, rank_tensor(70, (slots, HIDDEN), FP32, 0))}
+
+
+def _permute(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """The correct permute the misconceptions below change (refused as an answer), the demo's too: rows grouped
+    by expert (stable), order[i] = slot of row i, counts per expert."""
+    k = expert_ids.shape[1]
+    slots = expert_ids.flatten()
+    order = slots.argsort(stable=True)
+    return tokens[torch.div(order, k, rounding_mode="floor")], order, torch.bincount(slots, minlength=num_experts)
+
+
+def _unpermute(outputs: torch.Tensor, order: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """The right way back: row i is slot order[i], token order[i] // k, gate gates.flatten()[order[i]]."""
+    k = gates.shape[1]
+    weighted = outputs * gates.flatten()[order].unsqueeze(-1).to(outputs.dtype)
+    token = torch.div(order, k, rounding_mode="floor")
+    return outputs.new_zeros(gates.shape[0], outputs.shape[1]).index_add(0, token, weighted)
+
+
+def permute_token_order(tokens, expert_ids, num_experts):
+    rows, order, counts = _permute(tokens, expert_ids, num_experts)
+    return rows, order // expert_ids.shape[1], counts              # token numbers, not slots
+
+
+def permute_not_sorted(tokens, expert_ids, num_experts):
+    order = torch.arange(expert_ids.numel())                        # slot order, not grouped by expert
+    return tokens[order // expert_ids.shape[1]], order, torch.bincount(expert_ids.flatten(), minlength=num_experts)
+
+
+def permute_counts_without_minlength(tokens, expert_ids, num_experts):
+    rows, order, _ = _permute(tokens, expert_ids, num_experts)
+    return rows, order, torch.bincount(expert_ids.flatten())       # too short when the last experts get nothing
+
+
+def permute_rows_by_slot(tokens, expert_ids, num_experts):
+    rows, order, counts = _permute(tokens, expert_ids, num_experts)
+    return tokens[order.clamp(max=tokens.shape[0] - 1)], order, counts   # indexes tokens with slot numbers
+
+
+def permute_detached(tokens, expert_ids, num_experts):
+    return _permute(tokens.detach(), expert_ids, num_experts)
+
+
+PERMUTE = Check(
+    "permute", observe=_in_process(_permuted), expect=_expect_permute, course=COURSE, only=ONLY,
+    note="one process; tokens (T, h) with requires_grad, expert_ids (T, k). Expected: rows (T k, h) grouped by "
+         "expert, rows[i] = tokens[order[i] // k], order a permutation of the slots 0..T k - 1 (slot t k + j = "
+         "token t's j-th choice), counts (E,) = rows per expert; rows differentiable",
+    cases=[dict(case=name, T=t, k=k, E=e, _seed=seed, _bias=bias)
+           for seed, (name, t, k, e, bias) in enumerate(PERMUTE_CASES)],
+    columns=lambda case, got: {"counts": got["counts"] or "-"},
+    quantities={
+        "returned": Said("what permute returned: the three tensors (rows (T k, h), order (T k,) int64, counts (E,): "
+                         "one number per expert)"),
+        "order": Exact("the slots order holds, sorted (a permutation of the slots 0..T k - 1)"),
+        "counts": Exact("counts, the rows each expert gets: torch.bincount(expert_ids.flatten(), "
+                        "minlength=num_experts)"),
+        "experts": Exact("the experts of rows 0, 1, ... (grouped by expert: expert 0's first)"),
+        "rows": Within("rows[i], which must be tokens[order[i] // k]", atol=0.0),
+        "grad": Exact("rows require grad"),
+        "x.grad": Close("the gradient of the tokens: each slot's gradient adds into its token's", n=ROUNDINGS,
+                        dtype=FP32)},
+    misconceptions=[
+        Misconception(permute_counts_without_minlength, "counts needs one number per expert, 0 for an expert nobody "
+                      "chose (the last ones too): torch.bincount(expert_ids.flatten(), minlength=num_experts)"),
+        Misconception(permute_token_order, "order looks like token numbers; give slot numbers t*k + j, so that "
+                                           "combine finds each slot's gate"),
+        Misconception(permute_not_sorted, "the rows are not grouped by expert: sort the slots by expert "
+                                          "(expert_ids.flatten().argsort(stable=True))"),
+        Misconception(permute_rows_by_slot, "rows[i] must be tokens[order[i] // k] (order holds slots; a slot's "
+                                            "token is slot // k)"),
+        Misconception(permute_detached, "rows does not require grad: index the tokens (tokens[index]) so that "
+                                        "gradients flow back to them; no .detach(), no torch.no_grad()")])
 
 
 def check_permute(permute: Callable) -> None:
     """rows, order, counts = permute(tokens, expert_ids, num_experts): the T k (token, choice) slots grouped by
     expert (expert 0's first), row i being slot order[i] (token order[i] // k), and the rows per expert."""
-    not_the_course_answer("check_permute", permute, course=COURSE)
-    note = ("one process; tokens (T, h) with requires_grad, expert_ids (T, k). Expected: rows (T k, h) grouped by "
-            "expert, rows[i] = tokens[order[i] // k], order a permutation of the slots 0..T k - 1 (slot t k + j = "
-            "token t's j-th choice), counts (E,) = rows per expert; rows differentiable")
-    with Report("permute", note=note) as report:
-        for seed, case in enumerate(PERMUTE_CASES):
-            name, tokens, top_k, experts, _ = case
-            x, ids = _permute_inputs(case, seed)
-            want_counts = torch.bincount(ids.flatten(), minlength=experts)
-            x = x.clone().requires_grad_()
-            got = permute(x, ids.clone(), experts)
-            detail, got_counts = _permute_problem(got, x, ids, want_counts)
-            report.add(not detail, detail, case=name, T=tokens, k=top_k, E=experts,
-                       **{"counts (want)": want_counts.tolist(), "counts (got)": got_counts})
-
-
-def _permute_problem(got, x: torch.Tensor, ids: torch.Tensor, want_counts: torch.Tensor) -> tuple[str, object]:
-    tokens, top_k = ids.shape
-    slots = tokens * top_k
-    if not (isinstance(got, (tuple, list)) and len(got) == 3):
-        return f"permute returned {type(got).__name__}; return the three tensors (rows, order, counts)", "-"
-    rows, order, counts = got
-    if not all(isinstance(t, torch.Tensor) for t in got):
-        return "rows, order and counts must all be tensors", "-"
-    shown = counts.tolist() if counts.dim() == 1 else tuple(counts.shape)
-    if tuple(rows.shape) != (slots, HIDDEN):
-        return (f"rows has shape {tuple(rows.shape)}, expected {(slots, HIDDEN)}: one row per (token, choice) slot, "
-                f"{tokens} tokens x k = {top_k}"), shown
-    if order.dtype != torch.long or tuple(order.shape) != (slots,):
-        return f"order is {order.dtype} of shape {tuple(order.shape)}, expected torch.int64 of shape {(slots,)}", shown
-    if sorted(order.tolist()) != list(range(slots)):
-        tokens_only = order.max().item() < tokens if slots > tokens else False
-        hint = (": it looks like token numbers; give slot numbers t*k + j, so that combine finds each slot's gate"
-                if tokens_only else "")
-        return f"order is not a permutation of the slots 0..{slots - 1}{hint} (got {order.tolist()})", shown
-    if counts.shape != want_counts.shape or not torch.equal(counts.long(), want_counts):
-        return (f"counts {shown} differ from the rows each expert gets, {want_counts.tolist()}: "
-                "torch.bincount(expert_ids.flatten(), minlength=num_experts)"), shown
-    experts = ids.flatten()[order]
-    if (experts[1:] < experts[:-1]).any():
-        return (f"the rows are not grouped by expert: the experts of rows 0, 1, ... are {experts.tolist()}; sort the "
-                "slots by expert (expert_ids.flatten().argsort(stable=True))"), shown
-    want_rows = x.detach()[torch.div(order, top_k, rounding_mode="floor")]
-    if not torch.equal(rows.detach(), want_rows):
-        token_rows = x.detach()[order.clamp(max=tokens - 1)]
-        hint = (": rows[i] must be tokens[order[i] // k] (order holds slots; a slot's token is slot // k)"
-                if torch.equal(rows.detach(), token_rows) else "")
-        return f"rows[i] is not tokens[order[i] // k]{hint}. {mismatch(rows.detach(), want_rows)}", shown
-    if not rows.requires_grad:
-        return ("rows does not require grad: index the tokens (tokens[index]) so that gradients flow back to them; "
-                "no .detach(), no torch.no_grad()"), shown
-    upstream = rank_tensor(70, rows.shape, FP32, 0)
-    (rows * upstream).sum().backward()
-    want_grad = torch.zeros_like(x).index_add(0, torch.div(order, top_k, rounding_mode="floor"), upstream)
-    if x.grad is None or not close_enough(x.grad, want_grad, FP32, n=ROUNDINGS):
-        return "the gradient of the tokens is wrong: each slot's gradient must add into its token's", shown
-    return "", shown
+    PERMUTE(permute)
 
 
 # ---- 2. the differentiable all-to-all -------------------------------------------------------------
@@ -485,339 +568,352 @@ def _a2a_rows(rank: int, rows: int, trailing: tuple, seed: int) -> torch.Tensor:
     return rank_tensor(400 + rank, (rows, *trailing), FP32, seed)
 
 
+def _a2a_splits(case: dict, i: int) -> tuple[list, list]:
+    """(send, recv) of rank i of the group: the rows it sends to and receives from each rank of it."""
+    m = case["_m"]
+    return list(m[i]), [m[s][i] for s in range(case["ep"])]
+
+
+def _a2a_case(AllToAll: type, case: dict, group) -> dict:
+    rank, (send, recv) = dist.get_rank(), _a2a_splits(case, dist.get_rank(group))
+    x = _a2a_rows(rank, sum(send), case["row"], case["_seed"]).requires_grad_()
+    seen = _unseen(ALL_TO_ALL)
+    y = _step(seen, "forward", "AllToAll's forward", AllToAll.apply, x, send, recv, group)
+    seen.update(returned=_tensor(y, grad=True), y=y.detach().clone() if isinstance(y, torch.Tensor) else None)
+    ok = seen["returned"] == _wanted(sum(recv), *case["row"])
+    _backward(seen, group, "AllToAll", y if ok else None, _upstream(rank, (sum(recv), *case["row"]), case["_seed"]),
+              {"x.grad": x})
+    return seen
+
+
+def _expect_a2a(case: dict, seen: dict) -> dict:
+    """Per global rank: the rows and gradients cut and pasted in one process, one all-to-all each way."""
+    ep, m, trailing, seed = case["ep"], case["_m"], case["row"], case["_seed"]
+    row = math.prod(trailing) * 4
+    want = {key: [] for key in ("forward", "returned", "y", "backward", "x.grad")}
+    for rank in range(WORLD):
+        members = _members(ep, rank)
+        i = members.index(rank)
+        send, recv = _a2a_splits(case, i)
+        xs = [_a2a_rows(g, sum(m[s]), trailing, seed) for s, g in enumerate(members)]
+        ups = [_upstream(g, (sum(m[s][d] for s in range(ep)), *trailing), seed) for d, g in enumerate(members)]
+        want["forward"].append([_collective("all_to_all", sum(send) * row, ep, send, recv)])
+        want["returned"].append(_wanted(sum(recv), *trailing))
+        want["y"].append(torch.cat([xs[s].split(m[s])[i] for s in range(ep)]).double())
+        want["backward"].append([_collective("all_to_all", sum(recv) * row, ep, recv, send)])
+        want["x.grad"].append(torch.cat([ups[d].split([m[s][d] for s in range(ep)])[i] for d in range(ep)]).double())
+    return want | {"raised": [""] * WORLD, "backward raised": [""] * WORLD}
+
+
+def _exchange(x: torch.Tensor, send: list, recv: list, group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """The correct all-to-all the misconceptions below change (refused as an answer)."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return _exchange(x, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv = ctx.splits
+        return _exchange(grad, recv, send, ctx.group), None, None, None
+
+
+class AllToAllSplitsSwapped(_AllToAll):
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), send_splits, recv_splits, group=group)   # output's first
+        return out
+
+
+class AllToAllBackwardNotSwapped(_AllToAll):
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, *ctx.splits, ctx.group), None, None, None   # the forward's splits, not swapped
+
+
+class AllToAllIdentityBackward(_AllToAll):
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None                               # the gradient stays where it is
+
+
+class AllToAllWholeWorld(_AllToAll):
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), None   # forgot group= in backward
+        return _exchange(x, send_splits, recv_splits, group)
+
+
+ALL_TO_ALL = Check(
+    "AllToAll", observe=_on_ranks(_a2a_case), expect=_expect_a2a, course=COURSE, only=ONLY,
+    note="4 ranks as ep=4 and as 2 groups of ep=2; rank i sends M[i][j] rows to rank j (some send or receive "
+         "nothing), backpropagates its own gradient of y. Compared with the rows and gradients cut and pasted "
+         "in one process. Forward: one all-to-all of the rows sent; backward: one of the rows received",
+    cases=[dict(ep=ep, case=name, row=trailing, _seed=seed, _m=m[ep])
+           for ep in EP_SIZES for seed, (name, m, trailing) in enumerate(A2A_CASES)],
+    quantities={
+        "raised": Said("what AllToAll's forward raised", axes=RANK),
+        "forward": Said("the collectives of AllToAll's forward: one all-to-all over the group (group=group), block j "
+                        "of x to rank j (send each block of rows to its rank with all_to_all_single)", axes=RANK),
+        "returned": Said("what AllToAll.apply returned: a new tensor of the rows this rank receives (sum(recv_splits), "
+                         "...), which autograd connects to x (call it as AllToAll.apply(x, ...))", axes=RANK),
+        "y": Close("y, the rows received: rank j puts what it receives from ranks 0, 1, ... in turn, and rank i's rows "
+                   "for rank j are its consecutive block j (blocks of send_splits[0], send_splits[1], ... rows)",
+                   n=ROUNDINGS, dtype=FP32, axes=RANK),
+        "backward raised": Said("what AllToAll's backward raised", axes=RANK),
+        "backward": Said("the collectives of AllToAll's backward: one all-to-all over the group, the reverse one, "
+                         "with the send and receive splits swapped, so each row's gradient goes back to the rank "
+                         "the row came from", axes=RANK),
+        "x.grad": Close("x.grad: row r is the gradient of the row that x's row r became on the rank it was sent to "
+                        "(backward returns it first, then None for the splits and the group)", n=ROUNDINGS,
+                        dtype=FP32, axes=RANK)},
+    misconceptions=[
+        Misconception(AllToAllSplitsSwapped, "input_split_sizes and output_split_sizes are swapped: all_to_all_single "
+                      "takes the output first, (output, input, output_split_sizes=recv_splits, "
+                      "input_split_sizes=send_splits)"),
+        Misconception(AllToAllWholeWorld, "backward's all-to-all ran over every rank, not the ranks of the group: "
+                                          "keep the group on ctx and pass group=group to the collective"),
+        Misconception(AllToAllBackwardNotSwapped, "backward sent the gradients with the forward's splits: send "
+                      "each row's gradient back to the rank the row came from, the reverse all-to-all, with the "
+                      "send and receive splits swapped"),
+        Misconception(AllToAllIdentityBackward, "backward made no collective, so each gradient stayed on the rank "
+                      "that received its row: send each row's gradient back to the rank the row came from (the "
+                      "reverse all-to-all, the splits swapped)")])
+
+
 def check_all_to_all(AllToAll: type) -> None:
     """y = AllToAll.apply(x, send_splits, recv_splits, group): rank i's rows [sum send[:j], sum send[:j+1])
     go to rank j, which puts what it receives from ranks 0, 1, ... in turn; one all-to-all each way,
     backward the reverse one (each row's gradient goes back to the rank the row came from)."""
-    not_the_course_answer("check_all_to_all", AllToAll, course=COURSE)
-    note = ("4 ranks as ep=4 and as 2 groups of ep=2; rank i sends M[i][j] rows to rank j (some send or receive "
-            "nothing), backpropagates its own gradient of y. Compared with the rows and gradients cut and pasted "
-            "in one process. Forward: one all-to-all of the rows sent; backward: one of the rows received")
-    with Report("AllToAll", note=note) as report:
-        results = on_ranks(_a2a_on_rank, WORLD, AllToAll)
-        for c, (ep, seed, (name, matrices, trailing)) in enumerate(_cases(A2A_CASES)):
-            per_rank = [r[c] for r in results]
-            m = matrices[ep]
-            ys, x_grads, forward_bytes, backward_bytes = [], [], [], []
-            row = math.prod(trailing) * 4
-            for rank in range(WORLD):
-                members = _members(ep, rank)
-                i = members.index(rank)
-                xs = [_a2a_rows(g, sum(m[s]), trailing, seed) for s, g in enumerate(members)]
-                ups = [_upstream(g, (sum(m[s][d] for s in range(ep)), *trailing), seed) for d, g in enumerate(members)]
-                ys.append(torch.cat([xs[s].split(m[s])[i] for s in range(ep)]).double())
-                x_grads.append(torch.cat([ups[d].split([m[s][d] for s in range(ep)])[i] for d in range(ep)]).double())
-                forward_bytes.append(sum(m[i]) * row)
-                backward_bytes.append(sum(m[s][i] for s in range(ep)) * row)
-            index = [_members(ep, rank).index(rank) for rank in range(WORLD)]
-            send = [list(m[i]) for i in index]                          # per global rank, as in its group
-            recv = [[m[s][i] for s in range(ep)] for i in index]
-            detail = (_one_all_to_all(per_rank, "forward", ep, forward_bytes, send, recv, "AllToAll's forward",
-                                      "send each block of rows to its rank with all_to_all_single")
-                      or _problem_of(per_rank)
-                      or _shape_problem(per_rank)
-                      or _value_problem(per_rank, "y", ys, "y (the rows received)", _a2a_hint)
-                      or _one_all_to_all(per_rank, "backward", ep, backward_bytes, recv, send, "AllToAll's backward",
-                                         "send each row's gradient back to the rank the row came from: the reverse "
-                                         "all-to-all, with the send and receive splits swapped")
-                      or _problem_of(per_rank, backward=True)
-                      or _value_problem(per_rank, "x_grad", x_grads, "x.grad", _a2a_grad_hint))
-            report.add(not detail, detail, ep=ep, case=name, row=trailing,
-                       **{"forward (want)": f"all_to_all {forward_bytes[0]} B",
-                          "forward (got)": describe(per_rank[0].get("forward", []), ep),
-                          "backward (want)": f"all_to_all {backward_bytes[0]} B",
-                          "backward (got)": describe(per_rank[0].get("backward", []), ep)},
-                       max_err=_max_err(per_rank, [("y", ys), ("x_grad", x_grads)]))
-
-
-def _a2a_hint(got, want, rank) -> str:
-    return (": rank j puts what it receives from ranks 0, 1, ... in turn, and rank i's rows for rank j are "
-            "its consecutive block j (blocks of send_splits[0], send_splits[1], ... rows)")
-
-
-def _a2a_grad_hint(got, want, rank) -> str:
-    if got is None:
-        return (": backward must return the gradient of x first (then None for the splits and the group); "
-                "if y had no grad_fn, forward must be AllToAll's, called through AllToAll.apply")
-    return ": row r of x.grad is the gradient of the row that x's row r became on the rank it was sent to"
-
-
-def _one_all_to_all(per_rank: list, key: str, ep: int, nbytes: list, send: list, recv: list, where: str,
-                    why: str) -> str:
-    """Exactly one all-to-all over the group, of the expected bytes and split sizes (per global rank), nothing else."""
-    for rank, result in enumerate(per_rank):
-        calls = result.get(key)
-        if calls is None:
-            continue
-        at = f"{where} (rank {rank})"
-        if not calls:
-            return f"{at} made no collective: {why}"
-        others = sorted({c.op for c in calls} - {"all_to_all"})
-        if others:
-            return f"{at} called {', '.join(others)} ({describe(calls, ep)}); one all-to-all is all it needs: {why}"
-        if len(calls) > 1:
-            return f"{at} made {len(calls)} all-to-alls ({describe(calls, ep)}); expected one"
-        call = calls[0]
-        if call.group_size != ep:
-            return (f"{at} ran over {call.group_size} ranks, not the {ep} of the group: pass group=group to "
-                    "the collective")
-        if call.send is not None and (list(call.send) != send[rank] or list(call.recv) != recv[rank]):
-            swapped = (" (the two look swapped)" if list(call.send) == recv[rank] and list(call.recv) == send[rank]
-                       else "")
-            return (f"{at} sent {list(call.send)} rows and received {list(call.recv)}; expected to send {send[rank]} "
-                    f"and receive {recv[rank]}{swapped}: {why}")
-        if call.nbytes != nbytes[rank]:
-            return f"{at} handed {call.nbytes} B to the all-to-all; expected {nbytes[rank]} B"
-    return ""
-
-
-def _a2a_on_rank(AllToAll: type) -> list:
-    rank, out = dist.get_rank(), []
-    for ep, group, members in _groups():
-        i = dist.get_rank(group)
-        for seed, (_, matrices, trailing) in enumerate(A2A_CASES):
-            m = matrices[ep]
-            send, recv = list(m[i]), [m[s][i] for s in range(ep)]
-            x = _a2a_rows(rank, sum(send), trailing, seed).requires_grad_()
-            result: dict = {}
-            out.append(result)
-            with recorded_exchanges("AllToAll's forward") as forward:
-                y = _attempt(result, "AllToAll's forward", AllToAll.apply, x, send, recv, group)
-            result["forward"] = forward
-            want = (sum(recv), *trailing)
-            if "problem" not in result:
-                if not isinstance(y, torch.Tensor):
-                    result["bad"] = f"AllToAll.apply returned {type(y).__name__}, expected a tensor"
-                elif tuple(y.shape) != want:
-                    result["bad"] = (f"y has shape {tuple(y.shape)}, expected {want}: the rows this rank receives, "
-                                     f"{recv} from ranks 0..{ep - 1}")
-                elif not y.requires_grad:
-                    result["bad"] = ("y does not require grad: forward must return a tensor that autograd connects to "
-                                     "x (call it as AllToAll.apply(x, ...), and return a new tensor from forward)")
-                else:
-                    result["y"] = y.detach().clone()
-            if not all_ranks_ok("y" in result, group):
-                continue
-            upstream = _upstream(rank, want, seed)
-            with recorded_exchanges("AllToAll's backward") as backward:
-                _attempt(result, "AllToAll's backward", lambda: (y * upstream).sum().backward())
-            result.update(backward=backward, x_grad=grad_of(x))
-            all_ranks_ok(True, group)
-    return out
+    ALL_TO_ALL(AllToAll)
 
 
 # ---- 3. dispatch ----------------------------------------------------------------------------------
-def check_dispatch(dispatch: Callable) -> None:
-    """received, received_counts, (send, recv) = dispatch(rows, counts, group): an all-to-all of the E counts,
-    then one of exactly the rows routed; rank d gets, from ranks 0, 1, ... in turn, their rows for its experts."""
-    not_the_course_answer("check_dispatch", dispatch, course=COURSE)
-    note = ("4 ranks as ep=4 and as 2 groups of ep=2; E = 8 experts, rank r of a group holds [r E/ep, (r+1) E/ep). "
-            "Each rank's T k rows come sorted by expert with their counts (E,); it backpropagates its own gradient "
-            "of the rows received. Compared with the rows cut and pasted in one process")
-    with Report("dispatch", note=note) as report:
-        results = on_ranks(_dispatch_on_rank, WORLD, dispatch)
-        for c, (ep, seed, case) in enumerate(_cases(ROUTE_CASES)):
-            per_rank = [r[c] for r in results]
-            want = _dispatch_expected(ep, seed, case)
-            detail = (_dispatch_comm_problem(per_rank, ep, want)
-                      or _problem_of(per_rank)
-                      or _shape_problem(per_rank)
-                      or _counts_problem(per_rank, want)
-                      or _splits_value_problem(per_rank, want)
-                      or _value_problem(per_rank, "received", want["received"], "the received rows",
-                                        lambda *_: (": rank d gets the rows of rank 0 for its experts, then rank 1's, "
-                                                    "..., each block in the order its sender sorted them"))
-                      or _one_all_to_all(per_rank, "backward", ep, want["backward_bytes"], want["recv"], want["send"],
-                                         "dispatch's backward", "the gradient of each received row must go back to "
-                                         "the rank it came from: send the rows with AllToAll.apply, whose backward "
-                                         "does that (a plain dist.all_to_all_single is invisible to autograd)")
-                      or _problem_of(per_rank, backward=True)
-                      or _value_problem(per_rank, "rows_grad", want["rows_grad"], "rows.grad", _rows_grad_hint))
-            report.add(not detail, detail, ep=ep, case=_case_name(case, ep),
-                       **{"sent by rank 0": want["send"][0], "received (want)": want["recv"][0],
-                          "received (got)": per_rank[0].get("splits", ("-", "-"))[1],
-                          "forward (want)": (f"all_to_all {want['counts_bytes']} B, "
-                                             f"all_to_all {want['rows_bytes'][0]} B"),
-                          "forward (got)": describe(per_rank[0].get("forward", []), ep),
-                          "backward (got)": describe(per_rank[0].get("backward", []), ep)},
-                       max_err=_max_err(per_rank, [("received", want["received"]), ("rows_grad", want["rows_grad"])]))
+def _dispatch_said(got) -> str:
+    if not (isinstance(got, (tuple, list)) and len(got) == 3):
+        return _what(got)
+    received, counts, splits = got
+    try:
+        send, recv = ([int(v) for v in split] for split in splits)
+        pair = f"(send, recv) of {len(send)} and {len(recv)} ints"
+    except (TypeError, ValueError):
+        pair = f"splits {_what(splits)}, not a pair (send, recv) of lists of ints"
+    return f"received {_tensor(received, grad=True)}, received_counts {_tensor(counts)}, {pair}"
 
 
-def _dispatch_expected(ep: int, seed: int, case: tuple) -> dict:
+def _dispatch_shapes(plan: _Plan, i: int) -> tuple:
+    """A stand-in of what rank i's dispatch returns, of the right shapes (its description is the expected one)."""
+    return (torch.empty(sum(plan.recv(i)), HIDDEN, requires_grad=True), torch.empty(plan.ep, plan.local),
+            (plan.send(i), plan.recv(i)))
+
+
+def _dispatched(dispatch: Callable, case: dict, group) -> dict:
+    rank, i, seed = dist.get_rank(), dist.get_rank(group), case["_seed"]
+    plan = _plan_of(case, rank)
+    rows = _sorted_rows(plan, i, _tokens(rank, case["_route"][1], seed)).clone().requires_grad_()  # (T k, h)
+    seen = _unseen(DISPATCH)
+    got = _step(seen, "forward", "dispatch", dispatch, rows, plan.counts[i].clone(), group)
+    seen["returned"] = _dispatch_said(got)
+    ok = seen["returned"] == _dispatch_said(_dispatch_shapes(plan, i))
+    if ok:
+        received, counts, splits = got
+        seen.update(received_counts=counts.long().tolist(), splits=[[int(v) for v in s] for s in splits],
+                    received=received.detach().clone())
+    _backward(seen, group, "dispatch", got[0] if ok else None, _upstream(rank, (sum(plan.recv(i)), HIDDEN), seed),
+              {"rows.grad": rows})
+    return seen
+
+
+def _expect_dispatch(case: dict, seen: dict) -> dict:
     """Per global rank: what dispatch must receive, return, send and hand back, from the plan of its group."""
-    _, tokens, top_k, _ = case
-    want = {key: [] for key in ("received", "received_counts", "send", "recv", "rows_grad", "rows_bytes",
-                                "backward_bytes", "own_counts")}
-    row = HIDDEN * 4
-    plans = {}
+    want = {key: [] for key in ("forward", "returned", "received_counts", "splits", "received", "backward",
+                                "rows.grad")}
+    tokens, seed, ep = case["_route"][1], case["_seed"], case["ep"]
     for rank in range(WORLD):
-        members = _members(ep, rank)
-        key = tuple(members)
-        if key not in plans:
-            plans[key] = _plan(members, seed, case)
-        plan, i = plans[key], members.index(rank)
+        members, plan = _members(ep, rank), _plan_of(case, rank)
+        i = members.index(rank)
         rows = [_sorted_rows(plan, s, _tokens(g, tokens, seed)) for s, g in enumerate(members)]
         received = torch.cat([rows[s].split(plan.send(s))[i] for s in range(ep)])
         ups = [_upstream(g, (sum(plan.recv(d)), HIDDEN), seed) for d, g in enumerate(members)]
         dest, where = plan.destinations(i)
-        order = plan.orders[i]
-        grad = torch.stack([ups[dest[slot]][where[slot]] for slot in order.tolist()])   # (T k, h), sorted rows
+        want["forward"].append(_dispatch_collectives(plan, i, tokens))
+        want["returned"].append(_dispatch_said(_dispatch_shapes(plan, i)))
+        want["received_counts"].append(plan.received_counts(i).tolist())
+        want["splits"].append([plan.send(i), plan.recv(i)])
         want["received"].append(received.double())
-        want["received_counts"].append(plan.received_counts(i))
-        want["own_counts"].append(plan.counts[i].view(ep, -1))
-        want["send"].append(plan.send(i))
-        want["recv"].append(plan.recv(i))
-        want["rows_grad"].append(grad.double())
-        want["rows_bytes"].append(rows[i].shape[0] * row)
-        want["backward_bytes"].append(received.shape[0] * row)
-    want["counts_bytes"] = NUM_EXPERTS * 8
-    return want
+        want["backward"].append([_collective("all_to_all", len(received) * HIDDEN * 4, ep, plan.recv(i),
+                                             plan.send(i))])
+        want["rows.grad"].append(torch.stack([ups[dest[slot]][where[slot]] for slot in plan.orders[i].tolist()])
+                                 .double())                         # (T k, h), in the sorted rows' order
+    return want | {"raised": [""] * WORLD, "backward raised": [""] * WORLD}
 
 
-def _dispatch_comm_problem(per_rank: list, ep: int, want: dict) -> str:
-    """Forward: an all-to-all of the E counts, then one of exactly this rank's rows; nothing else."""
-    for rank, result in enumerate(per_rank):
-        calls = result.get("forward")
-        if calls is None:
-            continue
-        problem = _dispatch_calls_problem(calls, ep, want["rows_bytes"][rank], want["send"][rank], want["recv"][rank])
-        if problem:
-            return f"dispatch (rank {rank}) made {describe(calls, ep)}: {problem}"
-    return ""
+def _dispatch_collectives(plan: _Plan, i: int, tokens: int) -> list[str]:
+    """An all-to-all of the E counts (E/ep to each rank), then one of exactly rank i's T k rows."""
+    local = [plan.local] * plan.ep
+    return [_collective("all_to_all", NUM_EXPERTS * 8, plan.ep, local, local),
+            _collective("all_to_all", tokens * plan.top_k * HIDDEN * 4, plan.ep, plan.send(i), plan.recv(i))]
 
 
-def _dispatch_calls_problem(calls: list[Exchange], ep: int, rows_bytes: int, send: list, recv: list) -> str:
-    others = [c for c in calls if c.op != "all_to_all"]
-    exchanges = [c for c in calls if c.op == "all_to_all"]
-    if any(c.nbytes >= rows_bytes > 0 and ("gather" in c.op or c.op == "broadcast") for c in others):
-        return ("it gathers every rank's tokens: each rank would receive all ep x T k rows and keep the few for its "
-                "experts. An all-to-all sends each row only to the rank that needs it")
-    padded = [c for c in exchanges if c.numel != NUM_EXPERTS and c.nbytes > rows_bytes]
-    if padded:
-        return (f"the rows' all-to-all handed in {padded[0].nbytes} B, but this rank's {rows_bytes // (HIDDEN * 4)} "
-                f"rows are {rows_bytes} B: send exactly the rows routed, with uneven splits. Padding every split to "
-                "the same size (as a fixed capacity does) sends padding through the network")
-    if others:
-        return ("dispatch needs two all-to-alls and nothing else: first the counts (each rank learns how many rows "
-                "it will receive from every rank), then the rows")
-    if any(c.group_size != ep for c in exchanges):
-        return f"an all-to-all ran over the whole world, not the {ep} ranks of the group: pass group=group"
-    if len(exchanges) == 1 and exchanges[0].numel == NUM_EXPERTS:
-        return "it exchanged the counts but never sent the rows"
-    if len(exchanges) == 1 or (exchanges and exchanges[0].numel != NUM_EXPERTS):
-        return ("no exchange of the counts first. A rank cannot know how many rows the others will send it: start "
-                f"with an all-to-all of the E = {NUM_EXPERTS} per-expert counts (rank j gets the counts of its own "
-                "experts from every rank), then size the rows' all-to-all with them")
-    if len(exchanges) != 2:
-        return "expected exactly two all-to-alls: the counts, then the rows"
-    rows = exchanges[1]
-    if rows.nbytes < rows_bytes:
-        return f"the rows' all-to-all handed in {rows.nbytes} B, fewer than this rank's {rows_bytes} B of rows"
-    if rows.send is not None and (list(rows.send) != send or list(rows.recv) != recv):
-        swapped = (": input and output split sizes look swapped" if (list(rows.send), list(rows.recv)) == (recv, send)
-                   else "")
-        return (f"the rows' all-to-all sent {list(rows.send)} rows to the ranks and received {list(rows.recv)}; "
-                f"expected to send {send} (this rank's counts, summed per rank) and receive {recv} (from the counts "
-                f"the others sent){swapped}. {SPLIT_RULE}")
-    return ""
+def _exchange_counts(counts: torch.Tensor, group) -> tuple[torch.Tensor, list, list]:
+    """The counts' all-to-all: received_counts (ep, E/ep), and the splits (send, recv) of the rows."""
+    ep = dist.get_world_size(group)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    received = received.view(ep, -1)
+    return received, counts.view(ep, -1).sum(1).tolist(), received.sum(1).tolist()
 
 
-def _unpack_dispatch(got, ep: int, sent_counts: torch.Tensor) -> tuple[tuple | None, str]:
-    """(received, received_counts, (send, recv)) from what dispatch returned, or a sentence saying what is wrong.
-
-    sent_counts: the (E,) counts this rank passed in, to recognise them when returned as received_counts."""
-    local = NUM_EXPERTS // ep
-    if not (isinstance(got, (tuple, list)) and len(got) == 3):
-        return None, f"dispatch returned {type(got).__name__}; return (received, received_counts, (send, recv))"
-    received, counts, splits = got
-    if not isinstance(received, torch.Tensor) or received.dim() != 2 or received.shape[1] != HIDDEN:
-        shape = tuple(received.shape) if isinstance(received, torch.Tensor) else type(received).__name__
-        return None, f"received is {shape}, expected a tensor (rows received, {HIDDEN})"
-    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (ep, local):
-        shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
-        return None, (f"received_counts is {shape}, expected a tensor (ep, E/ep) = {(ep, local)}: [s, j] = rows "
-                      "received from rank s for this rank's local expert j")
-    try:
-        send, recv = ([int(v) for v in split] for split in splits)
-    except (TypeError, ValueError):
-        return None, "the splits must be a pair (send, recv) of lists of ints, one per rank of the group"
-    if len(send) != ep or len(recv) != ep:
-        return None, f"the splits must hold one number per rank of the group ({ep}); got {send}, {recv}"
-    if int(counts.sum()) != received.shape[0] or sum(recv) != received.shape[0]:
-        own = torch.equal(counts, sent_counts.view(ep, local))
-        own = (" received_counts is this rank's own counts: that is what this rank sends; after the all-to-all of "
-               "the counts, row s holds what rank s sends to this rank" if own else "")
-        return None, (f"received has {received.shape[0]} rows, but received_counts add up to {int(counts.sum())} "
-                      f"and recv to {sum(recv)}.{own}")
-    if not received.requires_grad:
-        return None, ("the received rows do not require grad: send them with AllToAll.apply, whose backward brings "
-                      "the gradients back (dist.all_to_all_single alone is invisible to autograd)")
-    return (received, counts.long(), (send, recv)), ""
+def _dispatch(rows, counts, group):
+    """The correct dispatch the misconceptions below change (refused as an answer)."""
+    received_counts, send, recv = _exchange_counts(counts, group)
+    return _AllToAll.apply(rows, send, recv, group), received_counts, (send, recv)
 
 
-def _counts_problem(per_rank: list, want: dict) -> str:
-    for rank, result in enumerate(per_rank):
-        got = result.get("received_counts")
-        if got is None:
-            continue
-        expected = want["received_counts"][rank]
-        if not torch.equal(got.long(), expected):
-            own = torch.equal(got.long(), want["own_counts"][rank])
-            hint = (": that is what this rank sends (its own counts, viewed (ep, E/ep)); after the all-to-all of the "
-                    "counts, row s holds what rank s sends to this rank" if own else
-                    ": row s must hold rank s's counts for this rank's experts, as the counts' all-to-all "
-                    "delivers them")
-            return f"rank {rank}: received_counts is {got.tolist()}, expected {expected.tolist()}{hint}"
-    return ""
+def dispatch_splits_swapped(rows, counts, group):
+    received_counts, send, recv = _exchange_counts(counts, group)
+    return _AllToAll.apply(rows, recv, send, group), received_counts, (send, recv)   # send and recv swapped
 
 
-def _splits_value_problem(per_rank: list, want: dict) -> str:
-    for rank, result in enumerate(per_rank):
-        if "splits" not in result:
-            continue
-        send, recv = result["splits"]
-        if send != want["send"][rank] or recv != want["recv"][rank]:
-            swapped = (" (swapped: return (send, recv))" if (recv, send) == (want["send"][rank], want["recv"][rank])
-                       else "")
-            return (f"rank {rank}: the splits are {send}, {recv}; expected (send, recv) = {want['send'][rank]}, "
-                    f"{want['recv'][rank]}{swapped}: rows sent to and received from each rank")
-    return ""
+def dispatch_no_counts_exchange(rows, counts, group):
+    """Assumes every rank sends it as many rows as it sends that rank."""
+    send = counts.view(dist.get_world_size(group), -1).sum(1).tolist()
+    return _AllToAll.apply(rows, send, send, group), counts.view(len(send), -1), (send, send)
 
 
-def _rows_grad_hint(got, want, rank) -> str:
-    if got is None:
-        return ": the gradient did not reach the rows; send them with AllToAll.apply"
-    return ": each row's gradient must come back from the rank it was sent to (AllToAll's backward)"
+def dispatch_even_splits(rows, counts, group):
+    """No counts exchange, no splits: every rank sends T k / ep rows to every rank."""
+    ep = dist.get_world_size(group)
+    received = torch.empty_like(rows)
+    dist.all_to_all_single(received, rows.detach(), group=group)
+    even = [rows.shape[0] // ep] * ep
+    return received.requires_grad_(), counts.view(ep, -1), (even, even)
 
 
-def _dispatch_on_rank(dispatch: Callable) -> list:
-    rank, out = dist.get_rank(), []
-    for ep, group, members in _groups():
-        i = dist.get_rank(group)
-        for seed, case in enumerate(ROUTE_CASES):
-            plan = _plan(members, seed, case)
-            rows = _sorted_rows(plan, i, _tokens(rank, case[1], seed)).clone().requires_grad_()  # (T k, h) by expert
-            result: dict = {}
-            out.append(result)
-            with recorded_exchanges("dispatch") as forward:
-                got = _attempt(result, "dispatch", dispatch, rows, plan.counts[i].clone(), group)
-            result["forward"] = forward
-            if "problem" not in result:
-                unpacked, bad = _unpack_dispatch(got, ep, plan.counts[i])
-                if bad:
-                    result["bad"] = bad
-                else:
-                    received, counts, splits = unpacked
-                    result.update(received=received.detach().clone(), received_counts=counts.detach().clone(),
-                                  splits=splits)
-            if not all_ranks_ok("received" in result, group):
-                continue
-            upstream = _upstream(rank, tuple(received.shape), seed)
-            with recorded_exchanges("dispatch's backward") as backward:
-                _attempt(result, "dispatch's backward", lambda: (received * upstream).sum().backward())
-            result.update(backward=backward, rows_grad=grad_of(rows))
-            all_ranks_ok(True, group)
-    return out
+def _padded(rows, counts, group, cap: Callable):
+    """Every block padded to cap(send, group) rows, one even all-to-all, unpadded after."""
+    received_counts, send, recv = _exchange_counts(counts, group)
+    ep, cap = len(send), cap(send, group)
+    padded = rows.new_zeros(ep * cap, rows.shape[1])
+    for j, block in enumerate(rows.split(send)):
+        padded[j * cap:j * cap + len(block)] = block
+    out = _AllToAll.apply(padded, [cap] * ep, [cap] * ep, group)
+    return torch.cat([out[s * cap:s * cap + n] for s, n in enumerate(recv)]), received_counts, (send, recv)
+
+
+def dispatch_padded(rows, counts, group):
+    return _padded(rows, counts, group, lambda send, group: sum(send))   # the most a block could be: T k rows
+
+
+def _largest(send: list, group) -> int:
+    most = torch.tensor(max(send))
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    return int(most)
+
+
+def dispatch_padded_to_max(rows, counts, group):
+    return _padded(rows, counts, group, _largest)                 # the group's largest block (an all-reduce MAX)
+
+
+def dispatch_all_gather(rows, counts, group):
+    """Every rank gathers every rank's rows and counts, and keeps the rows for its own experts."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    all_counts = [torch.empty_like(counts) for _ in range(ep)]
+    dist.all_gather(all_counts, counts, group=group)
+    all_rows = [torch.empty_like(rows) for _ in range(ep)]         # every rank routes T k rows here
+    dist.all_gather(all_rows, rows.detach().contiguous(), group=group)
+    received_counts = torch.stack([c.view(ep, -1)[me] for c in all_counts])
+    kept = [r.split(c.view(ep, -1).sum(1).tolist())[me] for r, c in zip(all_rows, all_counts)]
+    send = counts.view(ep, -1).sum(1).tolist()
+    return torch.cat(kept).requires_grad_(), received_counts, (send, received_counts.sum(1).tolist())
+
+
+def dispatch_returns_recv_send(rows, counts, group):
+    received, received_counts, (send, recv) = _dispatch(rows, counts, group)
+    return received, received_counts, (recv, send)
+
+
+def dispatch_own_counts(rows, counts, group):
+    received, _, splits = _dispatch(rows, counts, group)
+    return received, counts.view(dist.get_world_size(group), -1), splits   # this rank's counts, not received ones
+
+
+def dispatch_not_differentiable(rows, counts, group):
+    received, received_counts, splits = _dispatch(rows, counts, group)
+    return received.detach(), received_counts, splits
+
+
+def dispatch_whole_world(rows, counts, group):
+    return _dispatch(rows, counts, None)                            # forgot group=
+
+
+DISPATCH = Check(
+    "dispatch", observe=_on_ranks(_dispatched), expect=_expect_dispatch, course=COURSE, only=ONLY,
+    note="4 ranks as ep=4 and as 2 groups of ep=2; E = 8 experts, rank r of a group holds [r E/ep, (r+1) E/ep). "
+         "Each rank's T k rows come sorted by expert with their counts (E,); it backpropagates its own gradient "
+         "of the rows received. Compared with the rows cut and pasted in one process",
+    cases=_route_cases(),
+    quantities={
+        "raised": Said("what dispatch raised", axes=RANK),
+        "forward": Said("the collectives of dispatch: two all-to-alls over the group and nothing else, first the E "
+                        "counts (each rank learns how many rows it will receive from every rank), then exactly the "
+                        "rows routed, with uneven splits", axes=RANK),
+        "returned": Said("what dispatch returned: received (rows received, h), requiring grad (sent with "
+                         "AllToAll.apply), received_counts (ep, E/ep) and the splits (send, recv), a number per rank "
+                         "of the group", axes=RANK),
+        "received_counts": Exact("received_counts: row s holds rank s's counts for this rank's experts, as the "
+                                 "counts' all-to-all delivers them", axes=RANK),
+        "splits": Exact("the splits (send, recv): the rows sent to and received from each rank", axes=RANK),
+        "received": Close("the received rows: rank d gets the rows of rank 0 for its experts, then rank 1's, ..., "
+                          "each block in the order its sender sorted them", n=ROUNDINGS, dtype=FP32, axes=RANK),
+        "backward raised": Said("what dispatch's backward raised", axes=RANK),
+        "backward": Said("the collectives of dispatch's backward: the gradient of each received row goes back to the "
+                         "rank it came from, by the reverse all-to-all: send the rows with AllToAll.apply, whose "
+                         "backward does that (a plain dist.all_to_all_single is invisible to autograd)", axes=RANK),
+        "rows.grad": Close("rows.grad: each row's gradient comes back from the rank it was sent to (AllToAll's "
+                           "backward; send the rows with AllToAll.apply)", n=ROUNDINGS, dtype=FP32, axes=RANK)},
+    misconceptions=[
+        Misconception(dispatch_all_gather, "it gathers every rank's tokens: each rank would receive all ep x T k "
+                      "rows and keep the few for its experts. An all-to-all sends each row only to the rank that "
+                      "needs it"),
+        Misconception(dispatch_padded, "send exactly the rows routed, with uneven splits. Padding every split to the "
+                      "same size (as a fixed capacity does) sends padding through the network"),
+        Misconception(dispatch_padded_to_max, "send exactly the rows routed, with uneven splits. Padding every split "
+                      "to the group's largest (found by an all-reduce) still sends padding through the network"),
+        Misconception(dispatch_whole_world, "an all-to-all ran over the whole world, not the ranks of the group: "
+                                            "pass group=group to every collective"),
+        Misconception(dispatch_no_counts_exchange, "no exchange of the counts first. A rank cannot know how many "
+                      f"rows the others will send it: start with an all-to-all of the E = {NUM_EXPERTS} per-expert "
+                      "counts (rank j gets the counts of its own experts from every rank), then size the rows' "
+                      "all-to-all with them"),
+        Misconception(dispatch_even_splits, "no exchange of the counts first, and no split sizes: an all-to-all "
+                      "without them sends every rank the same number of rows. Exchange the E per-expert counts "
+                      "first, then send the rows with the split sizes they give"),
+        Misconception(dispatch_splits_swapped, "the rows' input and output split sizes look swapped: the rows this "
+                      "rank sends come from its own counts, the rows it receives from the counts the others sent "
+                      f"it. {SPLIT_RULE}"),
+        Misconception(dispatch_own_counts, "received_counts is this rank's own counts: that is what this rank sends; "
+                      "after the all-to-all of the counts, row s holds what rank s sends to this rank"),
+        Misconception(dispatch_returns_recv_send, "the splits are returned swapped: return (send, recv), the rows "
+                                                  "sent to and received from each rank"),
+        Misconception(dispatch_not_differentiable, "the received rows do not require grad: send them with "
+                      "AllToAll.apply, whose backward brings the gradients back (dist.all_to_all_single alone is "
+                      "invisible to autograd)")])
+
+
+def check_dispatch(dispatch: Callable) -> None:
+    """received, received_counts, (send, recv) = dispatch(rows, counts, group): an all-to-all of the E counts,
+    then one of exactly the rows routed; rank d gets, from ranks 0, 1, ... in turn, their rows for its experts."""
+    DISPATCH(dispatch)
 
 
 # ---- 4. combine -----------------------------------------------------------------------------------
@@ -830,177 +926,143 @@ def _random_gates(rank: int, tokens: int, top_k: int, seed: int) -> torch.Tensor
     return rank_tensor(600 + rank, (tokens, top_k), FP32, seed).softmax(-1)
 
 
+def _combined(combine: Callable, case: dict, group) -> dict:
+    rank, i, seed, (_, tokens, top_k, _) = dist.get_rank(), dist.get_rank(group), case["_seed"], case["_route"]
+    plan = _plan_of(case, rank)
+    expert_out = _expert_out(rank, sum(plan.recv(i)), seed).requires_grad_()   # (R, h)
+    gates = _random_gates(rank, tokens, top_k, seed).requires_grad_()         # (T, k)
+    seen = _unseen(COMBINE)
+    y = _step(seen, "forward", "combine", combine, expert_out, (plan.send(i), plan.recv(i)), plan.orders[i].clone(),
+              gates, group)
+    seen.update(returned=_tensor(y, grad=True), y=y.detach().clone() if isinstance(y, torch.Tensor) else None)
+    ok = seen["returned"] == _wanted(tokens, HIDDEN)
+    _backward(seen, group, "combine", y if ok else None, _upstream(rank, (tokens, HIDDEN), seed),
+              {"expert_out.grad": expert_out, "gates.grad": gates})
+    return seen
+
+
+def _expect_combine(case: dict, seen: dict) -> dict:
+    """y and its gradients per global rank, from a loop over every token's k slots in float64."""
+    (_, tokens, top_k, _), seed, ep = case["_route"], case["_seed"], case["ep"]
+    want = {key: [] for key in ("forward", "returned", "y", "backward", "expert_out.grad", "gates.grad")}
+    for members in ([list(range(WORLD))] if ep == WORLD else [[0, 1], [2, 3]]):
+        plan = _plan(members, seed, case["_route"])
+        outs = [_expert_out(g, sum(plan.recv(d)), seed).double().requires_grad_() for d, g in enumerate(members)]
+        gates = [_random_gates(g, tokens, top_k, seed).double().requires_grad_() for g in members]
+        ys = []
+        for s in range(ep):
+            dest, where = plan.destinations(s)
+            slot_out = torch.stack([outs[dest[slot]][where[slot]] for slot in range(tokens * top_k)])  # (T k, h)
+            ys.append(torch.stack([sum(gates[s][t, j] * slot_out[t * top_k + j] for j in range(top_k))
+                                   for t in range(tokens)]))                                       # (T, h)
+        sum((y * _upstream(g, tuple(y.shape), seed).double()).sum() for y, g in zip(ys, members)).backward()
+        for s in range(ep):   # combine sends back what dispatch received
+            want["forward"].append([_collective("all_to_all", sum(plan.recv(s)) * HIDDEN * 4, ep, plan.recv(s),
+                                                plan.send(s))])
+            want["returned"].append(_wanted(tokens, HIDDEN))
+            want["y"].append(ys[s].detach())
+            want["backward"].append([_collective("all_to_all", tokens * top_k * HIDDEN * 4, ep, plan.send(s),
+                                                 plan.recv(s))])
+            want["expert_out.grad"].append(_grad_or_zeros(outs[s]))    # a rank that received nothing: (0, h)
+            want["gates.grad"].append(_grad_or_zeros(gates[s]))
+    return want | {"raised": [""] * WORLD, "backward raised": [""] * WORLD}
+
+
+def _combine(expert_out, splits, order, gates, group):
+    """The correct combine the misconceptions below change (refused as an answer)."""
+    send, recv = splits
+    return _unpermute(_AllToAll.apply(expert_out, recv, send, group), order, gates)
+
+
+def combine_no_gates(expert_out, splits, order, gates, group):
+    send, recv = splits
+    back = _AllToAll.apply(expert_out, recv, send, group)
+    k = gates.shape[1]
+    return back.new_zeros(gates.shape[0], back.shape[1]).index_add(0, order // k, back) + 0 * gates.sum()
+
+
+def combine_not_unpermuted(expert_out, splits, order, gates, group):
+    send, recv = splits
+    back = _AllToAll.apply(expert_out, recv, send, group)
+    return (back.view(*gates.shape, -1) * gates.unsqueeze(-1)).sum(1)     # rows still in the experts' order
+
+
+def combine_gates_in_slot_order(expert_out, splits, order, gates, group):
+    send, recv = splits
+    back = _AllToAll.apply(expert_out, recv, send, group)
+    weighted = back * gates.reshape(-1).unsqueeze(-1)                    # gates not permuted like the rows
+    return back.new_zeros(gates.shape[0], back.shape[1]).index_add(0, order // gates.shape[1], weighted)
+
+
+def combine_no_all_to_all(expert_out, splits, order, gates, group):
+    return _unpermute(expert_out, order, gates)                         # expert_out is not this rank's slots
+
+
+def combine_splits_not_reversed(expert_out, splits, order, gates, group):
+    return _unpermute(_AllToAll.apply(expert_out, *splits, group), order, gates)   # the dispatch's splits
+
+
+def combine_plain_all_to_all(expert_out, splits, order, gates, group):
+    send, recv = splits
+    return _unpermute(_exchange(expert_out.detach(), recv, send, group), order, gates)   # invisible to autograd
+
+
+def combine_detached_gates(expert_out, splits, order, gates, group):
+    return _combine(expert_out, splits, order, gates.detach(), group)
+
+
+COMBINE = Check(
+    "combine", observe=_on_ranks(_combined), expect=_expect_combine, course=COURSE, only=ONLY,
+    note="4 ranks as ep=4 and as 2 groups of ep=2; expert_out (R, h) on each rank stands for its experts' outputs "
+         "of the rows it received; the splits and order are those of the dispatch. Compared with the sum over "
+         "every token's k slots in one process (float64). Forward: one all-to-all of the R rows; backward: one "
+         "of the T k rows",
+    cases=_route_cases(),
+    quantities={
+        "raised": Said("what combine raised", axes=RANK),
+        "forward": Said("the collectives of combine: one all-to-all over the group (group=group) and nothing else, the "
+                        "reverse of "
+                        "the dispatch's (send what the dispatch received, receive what it sent), so each expert "
+                        "output goes back only to the rank that owns its token", axes=RANK),
+        "returned": Said("what combine returned: y (tokens, h), requiring grad (keep expert_out and the gates in "
+                         "the graph: AllToAll.apply, no .detach())", axes=RANK),
+        "y": Close("y: y[t] = sum_j gates[t, j] x (output of slot t k + j)", n=ROUNDINGS, dtype=FP32, axes=RANK),
+        "backward raised": Said("what combine's backward raised", axes=RANK),
+        "backward": Said("the collectives of combine's backward: the reverse all-to-all of the T k slots' gradients "
+                         "(AllToAll's backward), back to the ranks whose experts made the outputs", axes=RANK),
+        "expert_out.grad": Close("expert_out.grad: each slot's gradient (gate x gradient of its token's y) goes back "
+                                 "to the rank whose expert made it (bring the rows back with AllToAll.apply, a "
+                                 "differentiable all-to-all, not dist.all_to_all_single alone)", n=ROUNDINGS,
+                                 dtype=FP32, axes=RANK),
+        "gates.grad": Close("gates.grad: d y[t] / d gates[t, j] is the output of slot t k + j", n=ROUNDINGS,
+                            dtype=FP32, axes=RANK)},
+    misconceptions=[
+        Misconception(combine_no_all_to_all, "no reverse all-to-all. expert_out holds what this rank's experts "
+                      "computed for every rank's rows (in the order they arrived), not this rank's own slots: send "
+                      "them back first, with the splits of the dispatch swapped (send what was received, receive "
+                      "what was sent)"),
+        Misconception(combine_splits_not_reversed, "the all-to-all used the dispatch's splits as they are: the "
+                      "reverse of the dispatch sends what the dispatch received (recv) and receives what it sent "
+                      "(send)"),
+        Misconception(combine_no_gates, "the gates are not applied: weight each slot's output by its gate, "
+                                        "gates.flatten()[order] for the rows in the experts' order"),
+        Misconception(combine_not_unpermuted, "the rows are still in the experts' order: row i belongs to slot "
+                                              "order[i], token order[i] // k; un-permute before summing per token"),
+        Misconception(combine_gates_in_slot_order, "the rows are un-permuted but the gates are not: row i's gate is "
+                                                   "gates.flatten()[order[i]]"),
+        Misconception(combine_plain_all_to_all, "combine's backward made no collective: the gradient of each slot's "
+                      "output must go back to the rank whose expert made it. Bring the outputs home with "
+                      "AllToAll.apply, whose backward does that (a plain dist.all_to_all_single is invisible to "
+                      "autograd)"),
+        Misconception(combine_detached_gates, "the gates got no gradient: do not detach them, the router learns "
+                                              "through them")])
+
+
 def check_combine(combine: Callable) -> None:
     """y = combine(expert_out, (send, recv), order, gates, group): the reverse all-to-all brings every slot's
     expert output home; y[t] = sum_j gates[t, j] x (output of slot t k + j); gradients flow to expert_out
     (back through the all-to-all) and to the gates."""
-    not_the_course_answer("check_combine", combine, course=COURSE)
-    note = ("4 ranks as ep=4 and as 2 groups of ep=2; expert_out (R, h) on each rank stands for its experts' outputs "
-            "of the rows it received; the splits and order are those of the dispatch. Compared with the sum over "
-            "every token's k slots in one process (float64). Forward: one all-to-all of the R rows; backward: one "
-            "of the T k rows")
-    with Report("combine", note=note) as report:
-        results = on_ranks(_combine_on_rank, WORLD, combine)
-        for c, (ep, seed, case) in enumerate(_cases(ROUTE_CASES)):
-            per_rank = [r[c] for r in results]
-            want = _combine_expected(ep, seed, case)
-            detail = (_combine_comm_problem(per_rank, ep, want)
-                      or _problem_of(per_rank)
-                      or _shape_problem(per_rank)
-                      or _value_problem(per_rank, "y", want["y"], "y", _y_hint(want))
-                      or _one_all_to_all(per_rank, "backward", ep, want["backward_bytes"], want["recv"], want["send"],
-                                         "combine's backward", "the gradient of each slot's output must go back to "
-                                         "the rank whose expert made it: bring the outputs home with AllToAll.apply, "
-                                         "whose backward does that (a plain dist.all_to_all_single is invisible to "
-                                         "autograd)")
-                      or _problem_of(per_rank, backward=True)
-                      or _value_problem(per_rank, "out_grad", want["out_grad"], "expert_out.grad", _out_grad_hint)
-                      or _value_problem(per_rank, "gates_grad", want["gates_grad"], "gates.grad", _gates_grad_hint))
-            report.add(not detail, detail, ep=ep, case=_case_name(case, ep),
-                       **{"forward (want)": f"all_to_all {want['forward_bytes'][0]} B",
-                          "forward (got)": describe(per_rank[0].get("forward", []), ep),
-                          "backward (want)": f"all_to_all {want['backward_bytes'][0]} B",
-                          "backward (got)": describe(per_rank[0].get("backward", []), ep)},
-                       max_err=_max_err(per_rank, [("y", want["y"]), ("out_grad", want["out_grad"]),
-                                                   ("gates_grad", want["gates_grad"])]))
-
-
-def _combine_expected(ep: int, seed: int, case: tuple) -> dict:
-    """y and its gradients per global rank, from a loop over every token's k slots in float64.
-
-    Also the outputs of three classic mistakes, for the hints: gates left out, rows left in the
-    experts' order (not un-permuted), and gates taken in slot order for rows in the experts' order."""
-    _, tokens, top_k, _ = case
-    want = {key: [] for key in ("y", "out_grad", "gates_grad", "send", "recv", "forward_bytes", "backward_bytes",
-                                "no_gates", "not_unpermuted", "gates_unpermuted")}
-    for members in ([list(range(WORLD))] if ep == WORLD else [[0, 1], [2, 3]]):
-        plan = _plan(members, seed, case)
-        outs = [_expert_out(g, sum(plan.recv(d)), seed).double().requires_grad_() for d, g in enumerate(members)]
-        gates = [_random_gates(g, tokens, top_k, seed).double().requires_grad_() for g in members]
-        ys = []
-        for s, g in enumerate(members):
-            dest, where = plan.destinations(s)
-            slot_out = torch.stack([outs[dest[slot]][where[slot]] for slot in range(tokens * top_k)])  # (T k, h)
-            y = torch.stack([sum(gates[s][t, j] * slot_out[t * top_k + j] for j in range(top_k))
-                             for t in range(tokens)])                                                    # (T, h)
-            ys.append(y)
-            sorted_out = slot_out.detach()[plan.orders[s]]          # (T k, h): in the experts' order
-            flat_gates = gates[s].detach().flatten()
-            token_of = torch.div(plan.orders[s], top_k, rounding_mode="floor")
-            want["no_gates"].append(slot_out.detach().view(tokens, top_k, HIDDEN).sum(1))
-            want["not_unpermuted"].append((sorted_out.view(tokens, top_k, HIDDEN)
-                                           * gates[s].detach()[..., None]).sum(1))
-            want["gates_unpermuted"].append(torch.zeros(tokens, HIDDEN, dtype=torch.float64)
-                                            .index_add(0, token_of, sorted_out * flat_gates[:, None]))
-        sum((y * _upstream(g, tuple(y.shape), seed).double()).sum() for y, g in zip(ys, members)).backward()
-        for s, g in enumerate(members):
-            want["y"].append(ys[s].detach())
-            want["out_grad"].append(_grad_or_zeros(outs[s]))    # a rank that received nothing: (0, h)
-            want["gates_grad"].append(_grad_or_zeros(gates[s]))
-            want["send"].append(plan.recv(s))       # combine sends back what dispatch received
-            want["recv"].append(plan.send(s))
-            want["forward_bytes"].append(sum(plan.recv(s)) * HIDDEN * 4)
-            want["backward_bytes"].append(tokens * top_k * HIDDEN * 4)
-    return want
-
-
-def _combine_comm_problem(per_rank: list, ep: int, want: dict) -> str:
-    for rank, result in enumerate(per_rank):
-        calls = result.get("forward")
-        if calls is None:
-            continue
-        problem = _combine_calls_problem(calls, ep, want["forward_bytes"][rank], want["send"][rank],
-                                         want["recv"][rank])
-        if problem:
-            return f"combine (rank {rank}) made {describe(calls, ep)}: {problem}"
-    return ""
-
-
-def _combine_calls_problem(calls: list[Exchange], ep: int, nbytes: int, send: list, recv: list) -> str:
-    exchanges = [c for c in calls if c.op == "all_to_all"]
-    others = [c for c in calls if c.op != "all_to_all"]
-    if others:
-        return ("combine needs one all-to-all and nothing else: the reverse of the dispatch's, so each expert output "
-                "goes back only to the rank that owns its token")
-    if not exchanges:
-        return ("no reverse all-to-all. expert_out holds what this rank's experts computed for every rank's rows "
-                "(in the order they arrived), not this rank's own slots: send them back first, with the splits of "
-                "the dispatch swapped (send what was received, receive what was sent)")
-    if len(exchanges) > 1:
-        return "expected exactly one all-to-all, the reverse of the dispatch's rows"
-    call = exchanges[0]
-    if call.group_size != ep:
-        return f"the all-to-all ran over {call.group_size} ranks, not the {ep} of the group: pass group=group"
-    if call.send is not None and (list(call.send) != send or list(call.recv) != recv):
-        return (f"it sent {list(call.send)} rows and received {list(call.recv)}; the reverse of the dispatch sends "
-                f"{send} (what the dispatch received) and receives {recv} (what it sent)")
-    if call.nbytes != nbytes:
-        return f"it handed {call.nbytes} B to the all-to-all; expected {nbytes} B"
-    return ""
-
-
-def _y_hint(want: dict) -> Callable:
-    def hint(got, expected, rank):
-        if got is None:
-            return ""
-        mistakes = [("no_gates", "the gates are not applied: weight each slot's output by its gate, "
-                                 "gates.flatten()[order] for the rows in the experts' order"),
-                    ("not_unpermuted", "the rows are still in the experts' order: row i belongs to slot order[i], "
-                                       "token order[i] // k; un-permute before summing per token"),
-                    ("gates_unpermuted", "the rows are un-permuted but the gates are not: row i's gate is "
-                                         "gates.flatten()[order[i]]")]
-        for key, text in mistakes:
-            if close_enough(got, want[key][rank].to(got.dtype), FP32, n=ROUNDINGS):
-                return f": {text}"
-        return ""
-    return hint
-
-
-def _out_grad_hint(got, want, rank) -> str:
-    if got is None:
-        return (": no gradient reached expert_out; bring the rows back with AllToAll.apply (a differentiable "
-                "all-to-all), not dist.all_to_all_single alone")
-    return ": each slot's gradient (gate x gradient of its token's y) must go back to the rank whose expert made it"
-
-
-def _gates_grad_hint(got, want, rank) -> str:
-    if got is None:
-        return ": the gates got no gradient; do not detach them: the router learns through them"
-    return ": d y[t] / d gates[t, j] is the output of slot t k + j"
-
-
-def _combine_on_rank(combine: Callable) -> list:
-    rank, out = dist.get_rank(), []
-    for ep, group, members in _groups():
-        i = dist.get_rank(group)
-        for seed, case in enumerate(ROUTE_CASES):
-            _, tokens, top_k, _ = case
-            plan = _plan(members, seed, case)
-            expert_out = _expert_out(rank, sum(plan.recv(i)), seed).requires_grad_()   # (R, h)
-            gates = _random_gates(rank, tokens, top_k, seed).requires_grad_()         # (T, k)
-            splits = (plan.send(i), plan.recv(i))
-            result: dict = {}
-            out.append(result)
-            with recorded_exchanges("combine") as forward:
-                y = _attempt(result, "combine", combine, expert_out, splits, plan.orders[i].clone(), gates, group)
-            result["forward"] = forward
-            if "problem" not in result:
-                if not isinstance(y, torch.Tensor) or tuple(y.shape) != (tokens, HIDDEN):
-                    shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-                    result["bad"] = f"combine returned {shape}, expected (tokens, h) = {(tokens, HIDDEN)}"
-                elif not y.requires_grad:
-                    result["bad"] = ("y does not require grad: keep expert_out and the gates in the graph "
-                                     "(AllToAll.apply, no .detach())")
-                else:
-                    result["y"] = y.detach().clone()
-            if not all_ranks_ok("y" in result, group):
-                continue
-            upstream = _upstream(rank, (tokens, HIDDEN), seed)
-            with recorded_exchanges("combine's backward") as backward:
-                _attempt(result, "combine's backward", lambda: (y * upstream).sum().backward())
-            result.update(backward=backward, out_grad=grad_of(expert_out), gates_grad=grad_of(gates))
-            all_ranks_ok(True, group)
-    return out
+    COMBINE(combine)
 
 
 # ---- 5. the whole layer ---------------------------------------------------------------------------
@@ -1023,142 +1085,6 @@ def dense_moe(xs: list[torch.Tensor], ids: list[torch.Tensor], seed: int, case: 
             [(_grad_or_zeros(w_in), _grad_or_zeros(w_out)) for w_in, w_out in weights])   # an unused expert: zeros
 
 
-def check_expert_parallel_moe(permute: Callable, dispatch: Callable, combine: Callable) -> None:
-    """The whole layer on each rank, router and experts included: permute, dispatch, the local experts on
-    what arrived, combine. y, x.grad and every expert's weight gradients equal the dense loop over tokens."""
-    not_the_course_answer("check_expert_parallel_moe", permute, dispatch, combine, course=COURSE)
-    note = ("4 ranks as ep=4 and as 2 groups of ep=2; each rank routes its own tokens with the same router (top-k "
-            "softmax gates), runs permute, dispatch, its E/ep experts (the check's code) and combine, and "
-            "backpropagates its own gradient of y. Compared with a loop over every token and its k experts in one "
-            "process (float64). Forward: all-to-alls of the counts, the rows, the outputs; backward: two")
-    with Report("expert-parallel MoE layer", note=note) as report:
-        results = on_ranks(_moe_on_rank, WORLD, permute, dispatch, combine)
-        for c, (ep, seed, case) in enumerate(_cases(ROUTE_CASES)):
-            per_rank = [r[c] for r in results]
-            want = _moe_expected(ep, seed, case)
-            detail = (_no_comm_problem(per_rank)
-                      or _moe_comm_problem(per_rank, ep, want)
-                      or _problem_of(per_rank)
-                      or _shape_problem(per_rank)
-                      or _counts_problem(per_rank, want)
-                      or _value_problem(per_rank, "y", want["y"], "y",
-                                        lambda *_: ": check_permute, check_dispatch and check_combine should "
-                                                   "pass first")
-                      or _backward_comm_problem(per_rank, ep, want)
-                      or _problem_of(per_rank, backward=True)
-                      or _value_problem(per_rank, "x_grad", want["x_grad"], "x.grad",
-                                        lambda got, *_: ": the gates must stay differentiable (the router learns "
-                                                        "through them)" if got is not None else "")
-                      or _expert_grad_problem(per_rank, want))
-            report.add(not detail, detail, ep=ep, case=_case_name(case, ep), k=case[2],
-                       **{"rows per expert (rank 0's group)": want["load"],
-                          "forward (want)": f"3 all_to_all, {want['forward_bytes'][0]} B",
-                          "forward (got)": _total(per_rank[0], ("permute", "dispatch", "combine")),
-                          "backward (want)": f"2 all_to_all, {want['backward_total'][0]} B",
-                          "backward (got)": _total(per_rank[0], ("backward",))},
-                       max_err=max(_max_err(per_rank, [("y", want["y"]), ("x_grad", want["x_grad"])]),
-                                   _expert_grad_error(per_rank, want)))
-
-
-def _total(result: dict, keys: tuple) -> str:
-    calls = [c for key in keys for c in result.get(key, [])]
-    if not calls:
-        return "none" if any(key in result for key in keys) else "-"
-    exchanges = [c for c in calls if c.op == "all_to_all"]
-    others = sorted({c.op for c in calls} - {"all_to_all"})
-    text = f"{len(exchanges)} all_to_all, {sum(c.nbytes for c in exchanges)} B"
-    return text + (f" + {', '.join(others)}" if others else "")
-
-
-def _moe_expected(ep: int, seed: int, case: tuple) -> dict:
-    _, tokens, top_k, _ = case
-    want = {key: [] for key in ("y", "x_grad", "w", "received_counts", "own_counts", "rows_bytes", "send", "recv",
-                                "forward_bytes", "backward_total", "combine_bytes", "combine_send", "combine_recv")}
-    loads = []
-    for members in ([list(range(WORLD))] if ep == WORLD else [[0, 1], [2, 3]]):
-        plan = _plan(members, seed, case)
-        loads.append(plan.counts.sum(0))
-        xs = [_tokens(g, tokens, seed) for g in members]
-        ups = [_upstream(g, (tokens, HIDDEN), seed, which=1) for g in members]
-        ys, x_grads, w_grads = dense_moe(xs, plan.ids, seed, case, ups)
-        local = NUM_EXPERTS // ep
-        for s in range(ep):
-            rows, received = tokens * top_k * HIDDEN * 4, sum(plan.recv(s)) * HIDDEN * 4
-            want["y"].append(ys[s])
-            want["x_grad"].append(x_grads[s])
-            want["w"].append(w_grads[s * local:(s + 1) * local])
-            want["received_counts"].append(plan.received_counts(s))
-            want["own_counts"].append(plan.counts[s].view(ep, -1))
-            want["rows_bytes"].append(rows)
-            want["send"].append(plan.send(s))
-            want["recv"].append(plan.recv(s))
-            want["combine_bytes"].append(received)
-            want["combine_send"].append(plan.recv(s))
-            want["combine_recv"].append(plan.send(s))
-            want["forward_bytes"].append(NUM_EXPERTS * 8 + rows + received)
-            want["backward_total"].append(rows + received)
-    want["load"] = loads[0].tolist()                  # the group of rank 0
-    return want
-
-
-def _no_comm_problem(per_rank: list) -> str:
-    for rank, result in enumerate(per_rank):
-        if result.get("permute"):
-            return (f"permute (rank {rank}) made {describe(result['permute'])}: it works on this rank's own tokens and "
-                    "needs no communication")
-    return ""
-
-
-def _moe_comm_problem(per_rank: list, ep: int, want: dict) -> str:
-    for rank, result in enumerate(per_rank):
-        if result.get("dispatch") is not None:
-            problem = _dispatch_calls_problem(result["dispatch"], ep, want["rows_bytes"][rank], want["send"][rank],
-                                              want["recv"][rank])
-            if problem:
-                return f"dispatch (rank {rank}) made {describe(result['dispatch'], ep)}: {problem}"
-        if result.get("combine") is not None:
-            problem = _combine_calls_problem(result["combine"], ep, want["combine_bytes"][rank],
-                                             want["combine_send"][rank], want["combine_recv"][rank])
-            if problem:
-                return f"combine (rank {rank}) made {describe(result['combine'], ep)}: {problem}"
-    return ""
-
-
-def _backward_comm_problem(per_rank: list, ep: int, want: dict) -> str:
-    """Backward: the reverse of combine's all-to-all (the T k slots' gradients), then of dispatch's."""
-    for rank, result in enumerate(per_rank):
-        calls = result.get("backward")
-        if calls is None:
-            continue
-        expected = [want["rows_bytes"][rank], want["combine_bytes"][rank]]
-        if [c.op for c in calls] != ["all_to_all", "all_to_all"] or [c.nbytes for c in calls] != expected:
-            return (f"the backward (rank {rank}) made {describe(calls, ep)}; expected all_to_all {expected[0]} B (the "
-                    f"gradients of the slots' outputs, back to the experts' ranks), then all_to_all {expected[1]} B "
-                    "(the gradients of the received rows, back to their tokens' ranks)")
-    return ""
-
-
-def _expert_grad_problem(per_rank: list, want: dict) -> str:
-    for rank, result in enumerate(per_rank):
-        if "w_grads" not in result:
-            continue
-        for j, ((got_in, got_out), (want_in, want_out)) in enumerate(zip(result["w_grads"], want["w"][rank])):
-            for name, got, expected in (("w_in", got_in, want_in), ("w_out", got_out, want_out)):
-                if got is None or not close_enough(got, expected.float(), FP32, n=ROUNDINGS):
-                    shown = "None" if got is None else mismatch(got, expected.float())
-                    return (f"rank {rank}: local expert {j}'s {name}.grad is wrong: an expert's gradient sums over "
-                            "the rows of every rank it received, and their gradients come back through combine's "
-                            f"all-to-all. {shown}")
-    return ""
-
-
-def _expert_grad_error(per_rank: list, want: dict) -> float:
-    errors = [max_abs_error(got, expected) if got is not None else math.inf
-              for result, wants in zip(per_rank, want["w"]) if "w_grads" in result
-              for pair, expected_pair in zip(result["w_grads"], wants) for got, expected in zip(pair, expected_pair)]
-    return max(errors, default=math.nan)
-
-
 def _run_local_experts(received: torch.Tensor, received_counts: torch.Tensor, weights: list) -> torch.Tensor:
     """The check's own expert step: regroup the received rows by local expert, run each, restore the order."""
     ep, local = received_counts.shape
@@ -1169,63 +1095,121 @@ def _run_local_experts(received: torch.Tensor, received_counts: torch.Tensor, we
     return outputs[by_expert.argsort()]
 
 
-def _moe_on_rank(permute: Callable, dispatch: Callable, combine: Callable) -> list:
-    rank, out = dist.get_rank(), []
-    for ep, group, members in _groups():
-        i = dist.get_rank(group)
-        local = NUM_EXPERTS // ep
-        for seed, case in enumerate(ROUTE_CASES):
-            _, tokens, top_k, kind = case
-            x = _tokens(rank, tokens, seed).requires_grad_()                        # (T, h)
-            ids = _expert_ids(x, seed, case, i, ep)                                  # (T, k)
-            gates = _gates(x, ids, seed, kind, i, ep)                                # (T, k), through the router
-            weights = [tuple(w.requires_grad_() for w in _expert_weights(e, seed))
-                       for e in range(i * local, (i + 1) * local)]
-            result: dict = {}
-            out.append(result)
-            with recorded_exchanges("permute") as calls:
-                got = _attempt(result, "permute", permute, x, ids.clone(), NUM_EXPERTS)
-            result["permute"] = calls
-            if "problem" not in result:
-                if not (isinstance(got, (tuple, list)) and len(got) == 3
-                        and all(isinstance(t, torch.Tensor) for t in got)
-                        and tuple(got[0].shape) == (tokens * top_k, HIDDEN) and tuple(got[1].shape) == (tokens * top_k,)
-                        and tuple(got[2].shape) == (NUM_EXPERTS,)):
-                    result["bad"] = "permute returned something else than (rows (T k, h), order (T k,), counts (E,))"
-            if not all_ranks_ok("problem" not in result and "bad" not in result, group):
-                continue
-            rows, order, counts = got
-            with recorded_exchanges("dispatch") as calls:
-                got = _attempt(result, "dispatch", dispatch, rows, counts, group)
-            result["dispatch"] = calls
-            unpacked = None
-            if "problem" not in result:
-                unpacked, bad = _unpack_dispatch(got, ep, counts)
-                if bad:
-                    result["bad"] = bad
-                else:
-                    result["received_counts"] = unpacked[1].detach().clone()
-            if not all_ranks_ok(unpacked is not None, group):
-                continue
-            received, received_counts, splits = unpacked
-            expert_out = _run_local_experts(received, received_counts, weights)     # (R, h), as received
-            with recorded_exchanges("combine") as calls:
-                y = _attempt(result, "combine", combine, expert_out, splits, order, gates, group)
-            result["combine"] = calls
-            if "problem" not in result:
-                if not isinstance(y, torch.Tensor) or tuple(y.shape) != (tokens, HIDDEN) or not y.requires_grad:
-                    result["bad"] = (f"combine returned something else than y (tokens, h) = {(tokens, HIDDEN)} "
-                                     "with a grad_fn")
-                else:
-                    result["y"] = y.detach().clone()
-            if not all_ranks_ok("y" in result, group):
-                continue
-            upstream = _upstream(rank, (tokens, HIDDEN), seed, which=1)
-            with recorded_exchanges("the layer's backward") as backward:
-                _attempt(result, "the layer's backward", lambda: (y * upstream).sum().backward())
-            result.update(backward=backward, x_grad=grad_of(x), w_grads=[(grad_of(a), grad_of(b)) for a, b in weights])
-            all_ranks_ok(True, group)
-    return out
+def _layer_returned(parts: list[str]) -> str:
+    return "; ".join(f"{name}: {said}" for name, said in zip(("permute", "dispatch", "combine"), parts))
+
+
+def _layer_on_rank(answer: tuple, case: dict, group) -> dict:
+    """permute, dispatch, the check's local experts, combine; each step once every rank of the group has what it
+    needs (a step skipped on one rank is skipped on all)."""
+    permute, dispatch, combine = answer
+    rank, i, ep, seed, route = dist.get_rank(), dist.get_rank(group), case["ep"], case["_seed"], case["_route"]
+    plan, local = _plan_of(case, rank), NUM_EXPERTS // ep
+    x = _tokens(rank, route[1], seed).requires_grad_()                              # (T, h)
+    ids = _expert_ids(x, seed, route, i, ep)                                         # (T, k)
+    gates = _gates(x, ids, seed, route[3], i, ep)                                    # (T, k), through the router
+    weights = [tuple(w.requires_grad_() for w in _expert_weights(e, seed)) for e in range(i * local, (i + 1) * local)]
+    seen, said = _unseen(MOE), []
+    got = _step(seen, "permute", "permute", permute, x, ids.clone(), NUM_EXPERTS)
+    said.append(_permute_said(got))
+    if all_ranks_ok(said[-1] == _permute_said(_permute_shapes(x.shape[0] * route[2])), group):
+        rows, order, counts = got
+        got = _step(seen, "dispatch", "dispatch", dispatch, rows, counts, group)
+        said.append(_dispatch_said(got))
+        expert_out = None
+        if said[-1] == _dispatch_said(_dispatch_shapes(plan, i)):
+            received, received_counts, splits = got
+            seen["received_counts"] = received_counts.long().tolist()
+            if received_counts.min() >= 0 and received_counts.sum() == len(received):   # else they differ, and no
+                expert_out = _run_local_experts(received, received_counts, weights)      # rank goes on
+        if all_ranks_ok(expert_out is not None, group):
+            y = _step(seen, "combine", "combine", combine, expert_out, splits, order, gates, group)
+            said.append(_tensor(y, grad=True))
+            ok = said[-1] == _wanted(*x.shape)
+            seen["y"] = y.detach().clone() if ok else None
+            _backward(seen, group, "the layer", y if ok else None, _upstream(rank, tuple(x.shape), seed, which=1),
+                      {"x.grad": x})
+            seen["expert grads"] = [[grad_of(w_in), grad_of(w_out)] for w_in, w_out in weights]
+    seen.update(returned=_layer_returned(said), _steps=len(said))
+    return seen
+
+
+def _expect_layer(case: dict, seen: dict) -> dict:
+    """Per global rank, from the dense loop. A step that did not run (an earlier one failed, on this rank or
+    another of its group) has no collectives nor result to compare: what stopped it is the difference."""
+    (_, tokens, top_k, _), seed, ep = case["_route"], case["_seed"], case["ep"]
+    want = {key: [] for key in ("dispatch", "combine", "returned", "received_counts", "y", "backward", "x.grad",
+                                "expert grads")}
+    for members in ([list(range(WORLD))] if ep == WORLD else [[0, 1], [2, 3]]):
+        plan = _plan(members, seed, case["_route"])
+        ups = [_upstream(g, (tokens, HIDDEN), seed, which=1) for g in members]
+        ys, x_grads, w_grads = dense_moe([_tokens(g, tokens, seed) for g in members], plan.ids, seed, case["_route"],
+                                         ups)
+        for s in range(ep):
+            slots, received = tokens * top_k * HIDDEN * 4, sum(plan.recv(s)) * HIDDEN * 4
+            want["dispatch"].append(_dispatch_collectives(plan, s, tokens))
+            want["combine"].append([_collective("all_to_all", received, ep, plan.recv(s), plan.send(s))])
+            parts = [_permute_said(_permute_shapes(tokens * top_k)), _dispatch_said(_dispatch_shapes(plan, s)),
+                     _wanted(tokens, HIDDEN)]
+            want["returned"].append(_layer_returned(parts[:seen["_steps"][members[s]]]))
+            want["received_counts"].append(plan.received_counts(s).tolist())
+            want["y"].append(ys[s])
+            want["backward"].append([_collective("all_to_all", slots, ep, plan.send(s), plan.recv(s)),
+                                     _collective("all_to_all", received, ep, plan.recv(s), plan.send(s))])
+            want["x.grad"].append(x_grads[s])
+            want["expert grads"].append([list(pair) for pair in w_grads[s * plan.local:(s + 1) * plan.local]])
+    for phase in ("dispatch", "combine"):
+        want[phase] = [w if got is not None else None for w, got in zip(want[phase], seen[phase])]
+    return want | {"raised": [""] * WORLD, "permute": [[]] * WORLD, "backward raised": [""] * WORLD}
+
+
+MOE = Check(
+    "expert-parallel MoE layer", observe=_on_ranks(_layer_on_rank), expect=_expect_layer, course=COURSE, only=ONLY,
+    note="4 ranks as ep=4 and as 2 groups of ep=2; each rank routes its own tokens with the same router (top-k "
+         "softmax gates), runs permute, dispatch, its E/ep experts (the check's code) and combine, and "
+         "backpropagates its own gradient of y. Compared with a loop over every token and its k experts in one "
+         "process (float64). Forward: all-to-alls of the counts, the rows, the outputs; backward: two",
+    cases=_route_cases(k=lambda route: route[2]),
+    columns=lambda case, got: {"rows per expert (rank 0's group)": _plan_of(case, 0).counts.sum(0).tolist()},
+    quantities={
+        "raised": Said("what a step of the layer raised", axes=RANK),
+        "permute": Said("the collectives of permute: none, it works on this rank's own tokens", axes=RANK),
+        "dispatch": Said("the collectives of dispatch: an all-to-all of the E counts, then one of exactly the rows "
+                         "routed (check_dispatch tells more)", axes=RANK),
+        "combine": Said("the collectives of combine: one all-to-all, the reverse of the dispatch's rows "
+                        "(check_combine tells more)", axes=RANK),
+        "returned": Said("what permute, dispatch and combine returned: (rows (T k, h), order (T k,), counts (E,)), "
+                         "(received, received_counts (ep, E/ep), (send, recv)), y (T, h) with a grad_fn", axes=RANK),
+        "received_counts": Exact("received_counts: row s holds rank s's counts for this rank's experts", axes=RANK),
+        "y": Close("y: check_permute, check_dispatch and check_combine should pass first", n=ROUNDINGS, dtype=FP32,
+                   axes=RANK),
+        "backward raised": Said("what the layer's backward raised", axes=RANK),
+        "backward": Said("the collectives of the backward: the reverse of combine's all-to-all (the gradients of "
+                         "the slots' outputs, back to the experts' ranks), then of dispatch's (the gradients of the "
+                         "received rows, back to their tokens' ranks)", axes=RANK),
+        "x.grad": Close("x.grad, through the rows and through the gates (which must stay differentiable: the router "
+                        "learns through them)", n=ROUNDINGS, dtype=FP32, axes=RANK),
+        "expert grads": Close("the local experts' weight gradients: an expert's gradient sums over the rows of every "
+                              "rank it received, and their gradients come back through combine's all-to-all",
+                              n=ROUNDINGS, dtype=FP32, axes=("rank {}", "local expert {}", "[w_in, w_out][{}]"))},
+    misconceptions=[
+        Misconception((_permute, dispatch_padded, _combine), "dispatch pads every split to the same size, as "
+                      "a fixed capacity does, and so sends padding through the network: send exactly the rows "
+                      "routed, with uneven splits"),
+        Misconception((_permute, dispatch_own_counts, _combine), "dispatch returns this rank's own counts as "
+                      "received_counts: after the all-to-all of the counts, row s holds what rank s sends to this "
+                      "rank (check_dispatch tells more)"),
+        Misconception((_permute, _dispatch, combine_not_unpermuted), "y is wrong although the collectives "
+                      "are right: check_permute, check_dispatch and check_combine should pass first (here combine "
+                      "leaves the rows in the experts' order)"),
+        Misconception((_permute, _dispatch, combine_detached_gates), "x.grad misses the router's part: the "
+                      "gates must stay differentiable (the router learns through them)")])
+
+
+def check_expert_parallel_moe(permute: Callable, dispatch: Callable, combine: Callable) -> None:
+    """The whole layer on each rank, router and experts included: permute, dispatch, the local experts on
+    what arrived, combine. y, x.grad and every expert's weight gradients equal the dense loop over tokens."""
+    MOE((permute, dispatch, combine))
 
 
 # ---- 6. predict, then run: expert outputs that never went home ------------------------------------
@@ -1237,22 +1221,6 @@ DEMO_LM = dict(hidden_size=64, intermediate_size=64, num_layers=2, num_attention
                max_seq_len=64)                       # a small causal LM whose MLPs are MoE layers
 DEMO_STEPS, DEMO_BATCH, DEMO_SEQ, DEMO_LR = 100, 8, 32, 3e-3
 DEMO_CUT = 5                                         # the position whose output must not see the tokens after it
-
-
-def _permute(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
-    """The check's permute: rows grouped by expert (stable), order[i] = slot of row i, counts per expert."""
-    k = expert_ids.shape[1]
-    slots = expert_ids.flatten()
-    order = slots.argsort(stable=True)
-    return tokens[torch.div(order, k, rounding_mode="floor")], order, torch.bincount(slots, minlength=num_experts)
-
-
-def _unpermute(outputs: torch.Tensor, order: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-    """The right way back: row i is slot order[i], token order[i] // k, gate gates.flatten()[order[i]]."""
-    k = gates.shape[1]
-    weighted = outputs * gates.flatten()[order].unsqueeze(-1).to(outputs.dtype)
-    token = torch.div(order, k, rounding_mode="floor")
-    return outputs.new_zeros(gates.shape[0], outputs.shape[1]).index_add(0, token, weighted)
 
 
 class _DemoMoE(torch.nn.Module):
@@ -1379,14 +1347,13 @@ class _RecordingExpert:
         return _expert(rows, self.w_in, self.w_out)
 
 
-def _capacity_inputs(case: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _capacity_inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (T, h), expert_ids (T, k) (the top-k of random scores, shifted by the case's bias), gates (T, k)."""
-    _, tokens, top_k, experts, _, bias = case
-    x = rank_tensor(700, (tokens, HIDDEN), FP32, seed)
-    scores = rank_tensor(710, (tokens, experts), FP32, seed)
-    for expert, shift in bias.items():
+    x = rank_tensor(700, (case["T"], HIDDEN), FP32, case["_seed"])
+    scores = rank_tensor(710, (case["T"], case["E"]), FP32, case["_seed"])
+    for expert, shift in case["_bias"].items():
         scores[:, expert] += shift
-    top, ids = scores.softmax(-1).topk(top_k, dim=-1)
+    top, ids = scores.softmax(-1).topk(case["k"], dim=-1)
     return x, ids, top / top.sum(-1, keepdim=True)
 
 
@@ -1414,14 +1381,34 @@ def _kept_by_rule(ids: torch.Tensor, experts: int, capacity: int, priority: str 
     return kept
 
 
-def _capacity_layer(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, weights: list, kept: torch.Tensor,
-                    residual: bool = True, renormalise: bool = False) -> torch.Tensor:
+def _capacity_said(got) -> str:
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        return _what(got)
+    return f"out {_tensor(got[0])}, kept {_tensor(got[1], dtype=True)}"
+
+
+def _capacity_seen(capacity_moe: Callable, case: dict) -> dict:
+    x, ids, gates = (t.requires_grad_(t.is_floating_point()) for t in _capacity_inputs(case))
+    experts = [_RecordingExpert(e, case["_seed"]) for e in range(case["E"])]
+    got = capacity_moe(x, ids.clone(), gates, experts, case["_factor"])
+    seen = dict.fromkeys(CAPACITY.quantities) | {"returned": _capacity_said(got), "_per_expert": "-"}
+    if seen["returned"] == _capacity_said((x, ids.bool())):
+        out, kept = got
+        seen.update(kept=kept.tolist(), _per_expert=torch.bincount(ids[kept], minlength=case["E"]).tolist(),
+                    calls=[expert.calls for expert in experts], out=out.detach().clone())
+        if out.requires_grad:
+            (out * _upstream(0, tuple(out.shape), case["_seed"], which=7)).sum().backward()
+        seen.update({"x.grad": grad_of(x), "gates.grad": grad_of(gates),
+                     "weight grads": [[_grad_or_zeros(e.w_in), _grad_or_zeros(e.w_out)] for e in experts]})
+    return seen
+
+
+def _capacity_layer(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, weights: list,
+                    kept: torch.Tensor) -> torch.Tensor:
     """out[t] = x[t] + sum over kept slots j of gates[t, j] expert_{ids[t, j]}(x[t]), token by token."""
-    if renormalise:
-        gates = gates * kept / (gates * kept).sum(-1, keepdim=True).clamp(min=1e-30)
     rows = []
     for t in range(x.shape[0]):
-        y = x[t] if residual else torch.zeros_like(x[t])
+        y = x[t]
         for j in range(ids.shape[1]):
             if kept[t, j]:
                 y = y + gates[t, j] * _expert(x[t], *weights[int(ids[t, j])])
@@ -1429,48 +1416,112 @@ def _capacity_layer(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, wei
     return torch.stack(rows)
 
 
-def _capacity_expected(case: tuple, seed: int) -> dict:
-    """The task's rule in float64, with autograd: kept, out and the gradients; plus the classic mistakes."""
-    _, tokens, top_k, experts, factor, _ = case
-    x, ids, gates = _capacity_inputs(case, seed)
-    capacity = _capacity_of(tokens, top_k, experts, factor)
-    kept = _kept_by_rule(ids, experts, capacity)
+def _expect_capacity(case: dict, seen: dict) -> dict:
+    """The task's rule in float64, with autograd. An expert is called once, on its kept rows or a buffer of C."""
+    x, ids, gates = _capacity_inputs(case)
+    kept = _kept_by_rule(ids, case["E"], case["C"])
     x64, g64 = x.double().requires_grad_(), gates.double().requires_grad_()
-    w64 = [tuple(w.double().requires_grad_() for w in _expert_weights(e, seed)) for e in range(experts)]
+    w64 = [tuple(w.double().requires_grad_() for w in _expert_weights(e, case["_seed"])) for e in range(case["E"])]
     out = _capacity_layer(x64, ids, g64, w64, kept)
-    (out * _upstream(0, tuple(out.shape), seed, which=7).double()).sum().backward()
-    want = {"capacity": capacity, "kept": kept, "out": out.detach(), "x_grad": x64.grad,
-            "gates_grad": _grad_or_zeros(g64), "w_grads": [(_grad_or_zeros(a), _grad_or_zeros(b)) for a, b in w64],
-            "per_expert": torch.bincount(ids[kept], minlength=experts).tolist()}
-    with torch.no_grad():
-        x64, g64 = x.double(), gates.double()
-        w64 = [tuple(w.double() for w in _expert_weights(e, seed)) for e in range(experts)]
-        want["mistaken kept"] = {
-            "floor": _kept_by_rule(ids, experts, math.floor(factor * tokens * top_k / experts)),
-            "no k": _kept_by_rule(ids, experts, math.ceil(factor * tokens / experts)),
-            "token": _kept_by_rule(ids, experts, capacity, "token"),
-            "last": _kept_by_rule(ids, experts, capacity, "last"),
-            "all": torch.ones_like(kept)}
-        want["mistaken out"] = {
-            "no residual": _capacity_layer(x64, ids, g64, w64, kept, residual=False),
-            "renormalised": _capacity_layer(x64, ids, g64, w64, kept, renormalise=True),
-            "dropped kept": _capacity_layer(x64, ids, g64, w64, torch.ones_like(kept)),
-            "no gates": _capacity_layer(x64, ids, torch.ones_like(g64), w64, kept)}
-    return want
+    (out * _upstream(0, tuple(out.shape), case["_seed"], which=7).double()).sum().backward()
+    rows = torch.bincount(ids[kept], minlength=case["E"]).tolist()
+    calls = [got if got in ([n], [case["C"]]) or (not n and got in ([], [0])) else [n] if n else []
+             for n, got in zip(rows, seen["calls"] or [None] * case["E"])]
+    return {"returned": _capacity_said((x, kept)), "kept": kept.tolist(), "calls": calls, "out": out.detach(),
+            "x.grad": x64.grad, "gates.grad": _grad_or_zeros(g64),
+            "weight grads": [[_grad_or_zeros(a), _grad_or_zeros(b)] for a, b in w64]}
 
 
-_KEPT_HINTS = {
-    "floor": "C is rounded down; C = ceil(capacity_factor x T k / E) rounds up (math.ceil)",
-    "no k": "C counts tokens, not slots: C = ceil(capacity_factor x T k / E), with k the slots of each token",
-    "token": ("the slots are kept in token order (token 0's choices, then token 1's, ...); GShard's priority is "
-              "every token's first choice before any second choice, then tokens in order within a choice"),
-    "last": "an expert keeps its last C slots; it keeps the first C in the priority order and drops the rest",
-    "all": "nothing is dropped: an expert keeps at most C slots"}
-_OUT_HINTS = {
-    "no residual": "the residual is missing: out[t] = x[t] + the kept slots' gate-weighted outputs",
-    "renormalised": "the gates are renormalised over the kept slots; use them as given",
-    "dropped kept": "dropped slots still reach their expert's output: add only the kept slots",
-    "no gates": "the gates are not applied: weight each kept slot's output by gates[t, j]"}
+def _capacity_moe(x, expert_ids, gates, experts, capacity_factor, capacity=_capacity_of, priority="choice",
+                  residual=True, gated=lambda gates, kept: gates, every_slot=False, shown=lambda kept: kept):
+    """The correct layer the misconceptions below change (refused as an answer): each expert called once, on its
+    kept rows. A misconception makes one of its choices otherwise."""
+    tokens, top_k = expert_ids.shape
+    kept = _kept_by_rule(expert_ids, len(experts), capacity(tokens, top_k, len(experts), capacity_factor), priority)
+    gates, out = gated(gates, kept), x if residual else torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, choice = ((kept | every_slot) & (expert_ids == e)).nonzero(as_tuple=True)
+        if len(token):
+            out = out.index_add(0, token, gates[token, choice].unsqueeze(-1) * expert(x[token]))
+    return out, shown(kept)
+
+
+def capacity_token_by_token(x, expert_ids, gates, experts, capacity_factor):
+    kept = _kept_by_rule(expert_ids, len(experts), _capacity_of(*expert_ids.shape, len(experts), capacity_factor))
+    rows = []
+    for t in range(x.shape[0]):                                          # one expert call per kept slot
+        y = x[t]
+        for j in range(expert_ids.shape[1]):
+            if kept[t, j]:
+                y = y + gates[t, j] * experts[int(expert_ids[t, j])](x[t:t + 1])[0]
+        rows.append(y)
+    return torch.stack(rows), kept
+
+
+def _variant(base: Callable, name: str, **choices) -> Callable:
+    """A misconception's answer: `base`, the correct code, with some of its choices made otherwise (a proposed
+    engine feature)."""
+    answer = functools.partial(base, **choices)
+    answer.__name__ = name
+    return answer
+
+
+CAPACITY = Check(
+    "capacity_moe", observe=_in_process(_capacity_seen), expect=_expect_capacity, course=COURSE, only=ONLY,
+    note="one process; x (T, h), expert_ids (T, k), gates (T, k), experts: E functions (n, h) -> (n, h) that note "
+         "their calls. Compared with a loop over the slots in priority order and over the tokens (float64); "
+         "gradients of sum(out * u) for a fixed u. per expert: kept slots of experts 0, 1, ...",
+    cases=[dict(case=name, T=t, k=k, E=e, factor=str(f), C=_capacity_of(t, k, e, f), _factor=f, _seed=seed,
+                _bias=bias) for seed, (name, t, k, e, f, bias) in enumerate(CAPACITY_CASES)],
+    columns=lambda case, got: {"per expert": got["_per_expert"]},
+    quantities={
+        "returned": Said("what capacity_moe returned: the pair (out (T, h), kept (T, k) of torch.bool)"),
+        "kept": Exact("the kept slots, token by token: each expert keeps its first C slots in the priority order "
+                      "(choice 0, token 0), (0, 1), ..., (0, T-1), (1, 0), ...", axes=("token {}",)),
+        "calls": Exact("the rows each expert was called on, call by call: once, on one block of exactly its kept "
+                       "rows (or a buffer of C rows)", axes=("expert {}",)),
+        "out": Close("out: out[t] = x[t] + sum over the kept slots j of gates[t, j] expert(x[t])", n=ROUNDINGS,
+                     dtype=FP32),
+        "x.grad": Close("x.grad (out must require grad: keep x, the gates and the experts' outputs in the graph, no "
+                        ".detach()): a dropped slot gets no gradient; the residual gives every token's x a gradient "
+                        "of its own", n=ROUNDINGS, dtype=FP32),
+        "gates.grad": Close("gates.grad: d out[t] / d gates[t, j] is expert(x[t]) for a kept slot, 0 for a dropped "
+                            "one", n=ROUNDINGS, dtype=FP32),
+        "weight grads": Close("the experts' weight gradients: each sums over its expert's kept rows only", n=ROUNDINGS,
+                              dtype=FP32, axes=("expert {}", "[w_in, w_out][{}]"))},
+    misconceptions=[
+        Misconception(_variant(_capacity_moe, "capacity_kept_as_ints", shown=lambda kept: kept.long()),
+                      "return kept as a tensor of bools (torch.bool), True for a kept slot"),
+        Misconception(_variant(_capacity_moe, "capacity_floor",
+                               capacity=lambda t, k, e, f: math.floor(f * t * k / e)),   # rounded down
+                      "C is rounded down; C = ceil(capacity_factor x T k / E) rounds up (math.ceil)"),
+        Misconception(_variant(_capacity_moe, "capacity_counts_tokens",
+                               capacity=lambda t, k, e, f: math.ceil(f * t / e)),   # k forgotten
+                      "C counts tokens, not slots: C = ceil(capacity_factor x T k / E), with k the slots of each "
+                      "token"),
+        Misconception(_variant(_capacity_moe, "capacity_token_priority", priority="token"), "the slots are kept in "
+                      "token order (token 0's choices, then token 1's, ...); GShard's priority is every token's first "
+                      "choice before any second choice, then tokens in order within a choice"),
+        Misconception(_variant(_capacity_moe, "capacity_keeps_last", priority="last"), "an expert keeps its last C "
+                      "slots; it keeps the first C in the priority order and drops the rest"),
+        Misconception(_variant(_capacity_moe, "capacity_keeps_all", capacity=lambda t, k, e, f: t * k),
+                      "nothing is dropped: an expert keeps at most C slots"),
+        Misconception(_variant(_capacity_moe, "capacity_returns_dropped", shown=lambda kept: ~kept),
+                      "kept is True for the dropped slots and False for the kept ones: True means kept"),
+        Misconception(capacity_token_by_token, "call each expert once, on one block of its kept rows: that block is "
+                                               "its buffer of at most C rows"),
+        Misconception(_variant(_capacity_moe, "capacity_drops_nothing_in_out", every_slot=True), "dropped slots still "
+                      "reach their expert: call it on exactly its kept rows (or on a buffer of C rows), and add only "
+                      "the kept slots' outputs"),
+        Misconception(_variant(_capacity_moe, "capacity_no_residual", residual=False), "the residual is missing: "
+                      "out[t] = x[t] + the kept slots' gate-weighted outputs"),
+        Misconception(_variant(_capacity_moe, "capacity_renormalised",
+                               gated=lambda g, kept: g * kept / (g * kept).sum(-1, keepdim=True).clamp(min=1e-30)),
+                      "the gates are renormalised over the kept slots; use them as given"),
+        Misconception(_variant(_capacity_moe, "capacity_no_gates", gated=lambda g, kept: torch.ones_like(g)),
+                      "the gates are not applied: weight each kept slot's output by gates[t, j]"),
+        Misconception(_variant(_capacity_moe, "capacity_detached_gates", gated=lambda g, kept: g.detach()),
+                      "the gates got no gradient: do not detach them (the router learns through them)")])
 
 
 def check_capacity_moe(capacity_moe: Callable) -> None:
@@ -1478,97 +1529,4 @@ def check_capacity_moe(capacity_moe: Callable) -> None:
     most C = ceil(capacity_factor T k / E) slots, first choices before second choices, then in token order;
     out[t] = x[t] + sum over kept slots of gates[t, j] expert(x[t]); each expert called at most once, on its
     kept rows; gradients to x, the gates and the experts' weights."""
-    not_the_course_answer("check_capacity_moe", capacity_moe, course=COURSE)
-    note = ("one process; x (T, h), expert_ids (T, k), gates (T, k), experts: E functions (n, h) -> (n, h) that note "
-            "their calls. Compared with a loop over the slots in priority order and over the tokens (float64); "
-            "gradients of sum(out * u) for a fixed u. per expert: kept slots of experts 0, 1, ...")
-    with Report("capacity_moe", note=note) as report:
-        for seed, case in enumerate(CAPACITY_CASES):
-            name, tokens, top_k, experts, factor, _ = case
-            want = _capacity_expected(case, seed)
-            got_per_expert, detail = "-", ""
-            x, ids, gates = _capacity_inputs(case, seed)
-            x, gates = x.clone().requires_grad_(), gates.clone().requires_grad_()
-            recording = [_RecordingExpert(e, seed) for e in range(experts)]
-            got = capacity_moe(x, ids.clone(), gates, recording, factor)
-            detail, kept = _capacity_returned(got, tokens, top_k)
-            if not detail:
-                got_per_expert = torch.bincount(ids[kept], minlength=experts).tolist()
-                detail = (_kept_problem(kept, want) or _calls_problem(recording, want)
-                          or _capacity_out_problem(got[0], want))
-            if not detail:
-                detail = _capacity_grad_problem(got[0], x, gates, recording, want, seed)
-            report.add(not detail, detail, case=name, T=tokens, k=top_k, E=experts, factor=str(factor),
-                       C=want["capacity"], **{"per expert (want)": want["per_expert"],
-                                              "per expert (got)": got_per_expert})
-
-
-def _capacity_returned(got, tokens: int, top_k: int) -> tuple[str, torch.Tensor | None]:
-    if not (isinstance(got, (tuple, list)) and len(got) == 2):
-        return f"capacity_moe returned {type(got).__name__}; return the pair (out, kept)", None
-    out, kept = got
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (tokens, HIDDEN):
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return f"out is {shape}, expected a tensor (T, h) = {(tokens, HIDDEN)}", None
-    if not isinstance(kept, torch.Tensor) or tuple(kept.shape) != (tokens, top_k) or kept.dtype != torch.bool:
-        shape = (f"{kept.dtype} of shape {tuple(kept.shape)}" if isinstance(kept, torch.Tensor)
-                 else type(kept).__name__)
-        return f"kept is {shape}, expected torch.bool of shape (T, k) = {(tokens, top_k)}", None
-    return "", kept
-
-
-def _kept_problem(kept: torch.Tensor, want: dict) -> str:
-    if torch.equal(kept, want["kept"]):
-        return ""
-    if torch.equal(kept, ~want["kept"]):
-        return "kept is True for the dropped slots and False for the kept ones: True means kept"
-    hint = next((text for key, text in _KEPT_HINTS.items() if torch.equal(kept, want["mistaken kept"][key])),
-                "each expert keeps its first C slots in the priority order: (choice 0, token 0), (0, 1), ..., "
-                "(0, T-1), (1, 0), ...")
-    wrong = (kept != want["kept"]).nonzero().tolist()
-    return f"kept differs at (token, choice) {[tuple(w) for w in wrong[:4]]}: {hint} (C = {want['capacity']})"
-
-
-def _calls_problem(recording: list, want: dict) -> str:
-    for e, (expert, rows) in enumerate(zip(recording, want["per_expert"])):
-        if len(expert.calls) > 1:
-            return (f"expert {e} was called {len(expert.calls)} times (rows {expert.calls}); call each expert once, "
-                    f"on one block of its kept rows: that block is its buffer of at most C = {want['capacity']} rows")
-        if expert.calls and expert.calls[0] not in (rows, want["capacity"]):
-            return (f"expert {e} was called on {expert.calls[0]} rows; it keeps {rows} slots: call it on exactly "
-                    f"those rows (or on a buffer of C = {want['capacity']} rows)")
-        if rows and not expert.calls:
-            return f"expert {e} keeps {rows} slots but was never called"
-    return ""
-
-
-def _capacity_out_problem(out: torch.Tensor, want: dict) -> str:
-    expected = want["out"].to(out.dtype)
-    if close_enough(out.detach(), expected, FP32, n=ROUNDINGS):
-        return ""
-    hint = next((text for key, text in _OUT_HINTS.items()
-                 if close_enough(out.detach(), want["mistaken out"][key].to(out.dtype), FP32, n=ROUNDINGS)), "")
-    return f"out is wrong{': ' + hint if hint else ''}. {mismatch(out.detach(), expected)}"
-
-
-def _capacity_grad_problem(out: torch.Tensor, x: torch.Tensor, gates: torch.Tensor, recording: list, want: dict,
-                           seed: int) -> str:
-    if not out.requires_grad:
-        return "out does not require grad: keep x, the gates and the experts' outputs in the graph (no .detach())"
-    (out * _upstream(0, tuple(out.shape), seed, which=7)).sum().backward()
-    if gates.grad is None:
-        return "the gates got no gradient: do not detach them (the router learns through them)"
-    for what, got, expected in (("x.grad", x.grad, want["x_grad"]), ("gates.grad", gates.grad, want["gates_grad"])):
-        if got is None or not close_enough(got, expected.float(), FP32, n=ROUNDINGS):
-            shown = "None" if got is None else mismatch(got, expected.float())
-            extra = (": a dropped slot gets no gradient; the residual gives every token's x a gradient of its own"
-                     if what == "x.grad" else
-                     ": d out[t] / d gates[t, j] is expert(x[t]) for a kept slot, 0 for a dropped one")
-            return f"{what} is wrong{extra}. {shown}"
-    for e, (expert, (want_in, want_out)) in enumerate(zip(recording, want["w_grads"])):
-        for name, w, expected in (("w_in", expert.w_in, want_in), ("w_out", expert.w_out, want_out)):
-            got = torch.zeros_like(w) if w.grad is None else w.grad
-            if not close_enough(got, expected.float(), FP32, n=ROUNDINGS):
-                return (f"expert {e}'s {name}.grad is wrong: it sums over the expert's kept rows only. "
-                        f"{mismatch(got, expected.float())}")
-    return ""
+    CAPACITY(capacity_moe)

@@ -1,47 +1,35 @@
-"""The checks of assignment 03: ZeRO-1 and ZeRO-3, each rank keeping 1/N of the model's state.
+"""The checks of assignment 03: ZeRO-1 and ZeRO-3, each rank keeping 1/N of the model's state, declared on the
+course's engine (picotron_course.engine).
 
-Each check runs the learner's code on 4 ranks (where it communicates) and compares it with
-single-process torch computed here, in the parent: one plain Llama trained with plain AdamW on
-the whole global batch (the data-parallel result), its gradients cut into the shards each
-rank should own. Nothing here uses picotron.parallel.zero, the module the assignment rebuilds.
+Each check runs the learner's code (on 4 ranks where it communicates), observes what it did and compares it with
+single-process torch computed here, in the parent: one plain Llama trained with plain AdamW on the whole global
+batch, its gradients cut into the shards each rank should own. Nothing here uses picotron.parallel.zero.
 
     check_shard_range(shard_range)        equal shards of a buffer padded to a multiple of N (one process)
     check_zero1(Zero1)                    5 AdamW steps: reduce-scatter, step the shard, all-gather
     check_zero3_forward(Zero3Unit)        one forward: every unit gathered before, freed after
-    check_zero3_training(Zero3Unit)       4 AdamW steps on the shards, the last over 2 micro-batches:
-                                          gathered again for backward, gradients reduce-scattered into
-                                          the shards (and added there), everything freed
-    check_clip_grad_norm(clip)            the global gradient norm from sharded gradients, one all-reduce
-                                          of one number, against torch.nn.utils.clip_grad_norm_ in one process
-    check_zero3_prefetch(Zero3Unit,       (stretch) ZeRO-3 with prefetch over prefetch_units (the outer unit,
-                         Zero3Prefetch)   each layer's attention and MLP): the rules read from the order of
-                                          events (launch, wait, forward start and end, backward's first read),
-                                          results against one process as check_zero3_training's
+    check_zero3_training(Zero3Unit)       4 AdamW steps on the shards, the last over 2 micro-batches: gathered
+                                          again for backward, gradients reduce-scattered into the shards
+    check_clip_grad_norm(clip)            the global norm of sharded gradients, one all-reduce of one number
+    check_zero3_prefetch(Zero3Unit,       (stretch) ZeRO-3 with prefetch over prefetch_units: its rules read
+                         Zero3Prefetch)   from the order of events (launch, wait, forward start and end, ...)
 
-and `zero1_write_back_demo()`, the predict-then-run problem: what ZeRO-1 does when the updated
-shards are not all-gathered back into the model.
+and `zero1_write_back_demo()`, the predict-then-run problem (ZeRO-1 without the all-gather back).
 
-Inside the ranks, `recorded_collectives` wraps torch.distributed's collectives (and the names
-picotron.comm calls them by) to note every call: which operation, the payload bytes this rank
-handed in (picotron.comm's convention: the input of an all-gather or a reduce-scatter) and the
-reduction. It also refuses, with a message for the learner, the calls that would crash or hang:
-a reduce-scatter whose input is not N times its output (a buffer that was not padded), an
-all-gather into a tensor whose memory was freed.
-
-A ZeRO-3 unit computes with views of a buffer whose memory it frees; reading freed memory
-crashes the process. So the checks also watch every unit's module (a forward pre-hook after the
-learner's, and autograd's saved-tensor hooks for backward) and raise a clear AssertionError
-when a module is about to run its forward or its backward with parameters that have no memory.
-The stretch's timeline (_Timeline) adds the order of the units' events and refuses, when it happens,
-a unit that computes before its all-gather's handle was waited or that is freed while it is in flight.
+On the ranks, `recorded_collectives` notes every collective call (operation, payload bytes, reduction, group
+size): the checks compare them, in words, with the calls expected. It refuses (WrongCollectiveUse, with what to
+fix) the calls that would crash or hang; `_Guard` a module about to compute with parameters that have no memory;
+the stretch's `_Timeline`, which records the order of the units' events, a unit computing before its all-gather
+was waited or freed while it is in flight. The misconceptions after each check are wrong answers learners write,
+with the hint each should read; `_Zero1`, `_Unit` and `_Prefetch` are the correct bases they change.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import operator
-from contextlib import contextmanager
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -51,11 +39,11 @@ from torch import nn
 
 from picotron import tolerance
 from picotron.config import ModelConfig
-from picotron_course import settings
-from picotron_course.checks import (Report, close_enough, close_in_training, collectives_observed, max_abs_error,
-                                    mismatch, on_ranks, one_thread, patched, reduce_name)
-from picotron_course.checks import not_the_course_answer
 from picotron.model import Llama, loss_fn
+from picotron_course import settings
+from picotron_course.checks import close_enough, collectives_observed, on_ranks, one_thread
+from picotron_course.checks import patched, reduce_name
+from picotron_course.engine import Check, Close, Exact, InTraining, Misconception, Within, by_rank
 
 __all__ = ["check_shard_range", "check_zero1", "check_zero3_forward", "check_zero3_training", "check_clip_grad_norm",
            "check_zero3_prefetch", "zero1_write_back_demo", "recorded_collectives", "unit_params", "prefetch_units",
@@ -78,6 +66,63 @@ WEIGHT_TOL = tolerance.ADAM_WEIGHTS_ATOL  # weights after several Adam steps: Ad
 ROUNDINGS = max(tolerance.llama_roundings(config, SEQ, WORLD * BATCH_PER_RANK * SEQ)
                 for config in ZERO_MODELS.values())
 PACKAGE = "picotron.parallel.zero"
+COURSE = (PACKAGE, __name__)   # picotron's answers, and the correct bases of this file's misconceptions
+ONLY = {__name__: {"_Zero1", "_Unit", "_Prefetch"}}
+AVG = dist.ReduceOp.AVG
+
+
+# ---- what these checks add to the engine (proposed engine features) -----------------------------
+@dataclass(frozen=True)
+class Refused(Exact):
+    """What a rank refused before it could crash or hang ("" when nothing), shown whole: it says what to fix."""
+
+    def shown(self, got, want) -> str:
+        return str(got)
+
+
+@dataclass(frozen=True)
+class Roundings(Close):
+    """Close, the roundings behind each number carried by the expected tensor (`want.roundings`): they differ by
+    case (the elements of the buffers whose norm is taken)."""
+
+    def close(self, got, want) -> bool:
+        return close_enough(got, want, self.dtype, n=getattr(want, "roundings", self.n))
+
+
+def _roundings(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    tensor.roundings = n
+    return tensor
+
+
+def _on_ranks(fn: Callable, after: Callable | None = None, data: Callable | None = None, deadlock: str = ""):
+    """observe: fn(answer, case, at) of every answer on every case (_each; with data, fn(answers, cases, data())),
+    on WORLD ranks in one launch, as [answer][case] dicts of lists over the ranks; after(got, case) makes what is
+    compared of them. deadlock: what to say when the ranks time out (else the TimeoutError goes through)."""
+    def observe(answers: list, cases: list) -> list:
+        try:
+            per_rank = (on_ranks(fn, WORLD, answers, cases, data()) if data else
+                        on_ranks(_each, WORLD, fn, answers, cases))
+        except TimeoutError as e:
+            if not deadlock:
+                raise
+            raise AssertionError(deadlock.format(timeout=settings.check_timeout) + str(e).splitlines()[0]) from None
+        return [[after(got, case) if after else got for got, case in zip(one, cases)] for one in by_rank(per_rank)]
+    return observe
+
+
+def _each(observe_case: Callable, answers: list, cases: list) -> list:
+    """On a rank: observe_case(answer, case, at) of every answer on every case, "refused" the message of what
+    the rank refused (WrongCollectiveUse), after at["where"], where it was."""
+    out = []
+    for answer in answers:
+        out.append([])
+        for case in cases:
+            at = {"where": ""}
+            try:
+                out[-1].append({"refused": "", **observe_case(answer, case, at)})
+            except WrongCollectiveUse as e:
+                out[-1].append({"refused": f"{at['where']}{e}"})
+    return out
 
 
 # ---- recording the collectives a rank makes ---------------------------------------------------
@@ -88,12 +133,13 @@ class WrongCollectiveUse(AssertionError):
 @dataclass
 class Call:
     """One collective call: the operation, the payload bytes this rank handed in, the reduction, how many
-    elements the payload held, and whether it was launched asynchronously (async_op=True)."""
+    elements the payload held, whether it was launched asynchronously (async_op=True), the ranks of its group."""
     op: str
     nbytes: int
     reduce: str = ""
     numel: int = 0
     async_op: bool = False
+    ranks: int = 0
 
 
 # name -> (operation, index of the payload argument, index of the output argument or None)
@@ -126,7 +172,8 @@ def recorded_collectives(observe: Callable | None = None) -> Iterator[list[Call]
             _refuse_misuse(op, arguments[names[output_at]], payload, arguments.get("group"))
         reduce = arguments.get("op", dist.ReduceOp.SUM) if op in ("all_reduce", "reduce", "reduce_scatter") else None
         calls.append(Call(op, sum(t.numel() * t.element_size() for t in tensors), reduce_name(reduce),
-                          sum(t.numel() for t in tensors), bool(arguments.get("async_op", False))))
+                          sum(t.numel() for t in tensors), bool(arguments.get("async_op", False)),
+                          dist.get_world_size(arguments.get("group"))))
 
     def after(name: str, arguments: dict, result):
         if observe is None or name not in _RECORDED:
@@ -161,14 +208,17 @@ def _refuse_misuse(op: str, output: torch.Tensor, input: torch.Tensor, group) ->
                                  f"buffer with zeros to a multiple of {world} (the shard size times {world})")
 
 
-def _per_op(calls: list[Call]) -> dict[str, tuple[int, int]]:
-    """{operation: (calls, payload bytes)}."""
-    out: dict[str, list[int]] = {}
-    for call in calls:
-        entry = out.setdefault(call.op, [0, 0])
-        entry[0] += 1
-        entry[1] += call.nbytes
-    return {op: (n, nbytes) for op, (n, nbytes) in out.items()}
+def _in_bytes(calls: list[Call]) -> list[str]:
+    """The calls as the ZeRO checks compare them: operation and payload, sorted, repeats counted."""
+    return _counted(f"{call.op} of {call.nbytes} B" for call in calls)
+
+
+def _counted(said) -> list[str]:
+    return sorted(f"{n} x {words}" if n > 1 else words for words, n in Counter(said).items())
+
+
+def _calls(counted: list[str]) -> int:
+    return sum(int(words.split(" x ")[0]) if " x " in words else 1 for words in counted)
 
 
 # ---- the single-process reference -------------------------------------------------------------
@@ -201,14 +251,27 @@ def _flat(tensors: list[torch.Tensor], padded: int | None = None) -> torch.Tenso
     return torch.cat([flat, flat.new_zeros((padded or flat.numel()) - flat.numel())])
 
 
-def _reference(name: str, steps: int, layout: Callable = unit_params) -> dict:
+def _viewed(params: list, padded: int, *attributes: str) -> list[torch.Tensor]:
+    """Flat buffers of `padded` elements, one per attribute ("data": the parameters, "grad": zeros), each
+    parameter's attribute a view of its slice."""
+    flats = [_flat(params, padded) if attribute == "data" else torch.zeros(padded) for attribute in attributes]
+    offset = 0
+    for p in params:
+        for attribute, flat in zip(attributes, flats):
+            setattr(p, attribute, flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return flats
+
+
+@functools.cache
+def _reference(name: str, steps: int, layout: Callable = None) -> dict:
     """One process, the whole global batch, plain AdamW: losses, every parameter's gradient at each
     step, the final parameters; and the same in ZeRO-3 units (`layout(model)`: unit_params or prefetch_units)."""
     with one_thread():
         model = _model(name)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         params = list(model.parameters())
-        units = [unit for _, _, unit in layout(model)]
+        units = [unit for _, _, unit in (layout or unit_params)(model)]
         losses, grads, unit_grads = [], [], []
         for step in range(steps):
             batch = torch.cat([_tokens(name, step, rank) for rank in range(WORLD)])
@@ -219,18 +282,27 @@ def _reference(name: str, steps: int, layout: Callable = unit_params) -> dict:
             unit_grads.append([_flat([p.grad for p in unit], _padded(sum(p.numel() for p in unit))) for unit in units])
             optimizer.step()
             optimizer.zero_grad()
-        return {"losses": losses, "grads": grads, "weights": _flat(params), "unit_grads": unit_grads,
-                "unit_weights": [_flat(unit) for unit in units]}
+        return {"losses": torch.tensor(losses, dtype=torch.float64), "grads": grads, "weights": _flat(params),
+                "unit_grads": unit_grads, "unit_weights": [_flat(unit) for unit in units]}
+
+
+@functools.cache
+def _sizes(name: str, layout: Callable = None) -> list[int]:
+    """The elements of each ZeRO-3 unit of a model."""
+    return [sum(p.numel() for p in params) for _, _, params in (layout or unit_params)(_model(name))]
+
+
+@functools.cache
+def _logits(name: str) -> list[torch.Tensor]:
+    """One process's logits of each rank's batch of step 0."""
+    with one_thread(), torch.no_grad():
+        model = _model(name)
+        return [model(_tokens(name, 0, rank)[:, :-1]) for rank in range(WORLD)]
 
 
 def _shard(flat: torch.Tensor, rank: int) -> torch.Tensor:
     size = flat.numel() // WORLD
     return flat[rank * size:(rank + 1) * size]
-
-
-def _sum_hint(got: torch.Tensor, want: torch.Tensor) -> str:
-    return (" (it looks like the sum over ranks: average, op=ReduceOp.AVG or divide by the world size)"
-            if close_in_training(got, want * WORLD) else "")
 
 
 def _state_numel(optimizer) -> int:
@@ -239,198 +311,251 @@ def _state_numel(optimizer) -> int:
                if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
+def _mean_losses(got: dict, case: dict) -> dict:
+    """The ranks' losses as their mean, what one process's loss of the global batch is."""
+    return got | ({"losses": torch.tensor(got["losses"], dtype=torch.float64).mean(0)} if "losses" in got else {})
+
+
+def _rank0(got: dict, key: str, shown: Callable = lambda value: value):
+    """What rank 0 observed, for a column of the table ("-" when it observed nothing)."""
+    values = got.get(key)
+    return shown(values[0]) if values and values[0] is not None else "-"
+
+
 # ---- 1. shard_range -----------------------------------------------------------------------------
 SHARD_CASES = [(12, 4), (13, 4), (3, 4), (1, 2), (7, 3), (26784, 4), (1350, 4), (10, 1)]
+
+
+def _as_pair(answer):
+    """(start, stop) as two Python ints when `answer` is any pair of whole numbers (a tuple, a list, numpy or
+    torch integers); otherwise None."""
+    if isinstance(answer, torch.Tensor) and answer.numel() == 2 and not answer.is_floating_point():
+        answer = answer.tolist()
+    if isinstance(answer, (tuple, list)) and len(answer) == 2 and not any(isinstance(x, (bool, float)) for x in answer):
+        try:
+            return tuple(operator.index(x) for x in answer)
+        except TypeError:
+            pass
+    return None
+
+
+def _ranges(shard_range: Callable, numel: int, world: int, **_) -> dict:
+    returned = [shard_range(numel, rank, world) for rank in range(world)]
+    pairs = [_as_pair(answer) for answer in returned]
+    return {"returned": ["two ints" if pair else repr(answer)[:60] for pair, answer in zip(pairs, returned)],
+            "sizes": [pair and pair[1] - pair[0] for pair in pairs], "starts": [pair and pair[0] for pair in pairs],
+            "actual": [pair or answer for pair, answer in zip(pairs, returned)]}
+
+
+def _expect_ranges(case: dict, observed: dict) -> dict:
+    k, world = case["padded"] // case["world"], case["world"]
+    return {"returned": ["two ints"] * world, "sizes": [k] * world, "starts": [r * k for r in range(world)]}
+
+
+def _short(pairs: list) -> str:
+    text = str([tuple(a) if isinstance(a, (list, tuple)) else a for a in pairs])
+    return text if len(text) <= 48 else text[:45] + "..."
+
+
+def sr_floor(numel, rank, world):
+    size = numel // world  # rounds down: the last numel % world elements belong to nobody
+    return rank * size, (rank + 1) * size
+
+
+def sr_uneven(numel, rank, world):
+    size, extra = divmod(numel, world)  # torch.tensor_split's cut: sizes differ by one
+    start = rank * size + min(rank, extra)
+    return start, start + size + (rank < extra)
+
+
+SHARD_RANGE = Check(
+    "shard_range", observe=lambda answers, cases: [[_ranges(f, **case) for case in cases] for f in answers],
+    expect=_expect_ranges, note="one process: (start, stop) of every rank's shard",
+    cases=[dict(numel=n, world=w, padded=-(-n // w) * w) for n, w in SHARD_CASES],
+    columns=lambda case, got: {"expected": _short([(r * case["padded"] // case["world"], (r + 1) * case["padded"]
+                                                    // case["world"]) for r in range(case["world"])]),
+                               "actual": _short(got["actual"])},
+    quantities={"returned": Exact("what shard_range(numel, rank, world) returned: (start, stop), two ints",
+                                  axes=("rank {}",)),
+                "sizes": Exact("the size of each rank's shard, stop - start: every shard the same, k = ceil(numel / "
+                               "world), so that reduce-scatter and all-gather cut the padded buffer into equal "
+                               "pieces", axes=("rank {}",)),
+                "starts": Exact("where each shard starts: shard 0 at 0, shard r+1 where shard r stops (rank r owns "
+                                "[r*k, (r+1)*k))", axes=("rank {}",))},
+    misconceptions=[
+        Misconception(sr_uneven, "every shard must have the same size, ceil(numel / world), so that reduce-scatter "
+                                 "and all-gather cut the buffer into equal pieces (pad the buffer, not the shards)"),
+        Misconception(sr_floor, "world shards of numel // world elements cover only part of the buffer: round the "
+                                "shard size up, k = ceil(numel / world); the padding then sits at the end of the last "
+                                "shards")])
 
 
 def check_shard_range(shard_range: Callable[[int, int, int], tuple]) -> None:
     """Rank r of `world` owns elements [r*k, (r+1)*k) with k = ceil(numel / world): equal shards of
     the buffer padded to world*k elements, the padding in the last shards."""
-    with Report("shard_range", note="one process: (start, stop) of every rank's shard") as report:
-        for numel, world in SHARD_CASES:
-            k = -(-numel // world)
-            expected = [(rank * k, (rank + 1) * k) for rank in range(world)]
-            actual = [_as_pair(shard_range(numel, rank, world)) for rank in range(world)]
-            detail = _shard_problem(actual, expected, numel, world, k)
-            report.add(not detail, detail, numel=numel, world=world, padded=world * k, expected=_short(expected),
-                       actual=_short(actual))
-
-
-def _as_pair(answer):
-    """(start, stop) as two Python ints when `answer` is any pair of whole numbers (a tuple, a list, numpy or
-    torch integers); otherwise `answer` itself, for the message."""
-    if isinstance(answer, torch.Tensor) and answer.numel() == 2 and not answer.is_floating_point():
-        answer = answer.tolist()
-    if isinstance(answer, (tuple, list)) and len(answer) == 2:
-        try:
-            if not any(isinstance(x, (bool, float)) for x in answer):
-                return tuple(operator.index(x) for x in answer)
-        except TypeError:
-            pass
-    return answer
-
-
-def _short(actual: list) -> str:
-    text = str([tuple(a) if isinstance(a, (list, tuple)) else a for a in actual])
-    return text if len(text) <= 48 else text[:45] + "..."
-
-
-def _shard_problem(actual: list, expected: list, numel: int, world: int, k: int) -> str:
-    if actual == expected:
-        return ""
-    if not all(isinstance(a, (tuple, list)) and len(a) == 2 and all(isinstance(x, int) for x in a) for a in actual):
-        return f"shard_range must return (start, stop), two ints; got {actual[0]!r} for rank 0"
-    sizes = {stop - start for start, stop in actual}
-    if len(sizes) > 1:
-        return (f"the shards have sizes {sorted(sizes)}: every shard must have the same size, ceil(numel / world) "
-                f"= {k}, so that reduce-scatter and all-gather cut the buffer into equal pieces (pad the buffer, "
-                "not the shards)")
-    if actual[0][0] != 0 or any(a[1] != b[0] for a, b in zip(actual, actual[1:])):
-        return "shard 0 must start at 0 and shard r+1 where shard r stops: rank r owns [r*k, (r+1)*k)"
-    size = sizes.pop()
-    if size * world < numel:
-        return (f"{world} shards of {size} cover only {size * world} of the {numel} elements: round the shard size "
-                f"up, k = ceil(numel / world) = {k}; the padding then sits at the end of the last shards")
-    return f"shards of {size} elements are larger than needed: k = ceil(numel / world) = {k}"
+    SHARD_RANGE(shard_range)
 
 
 # ---- 2. ZeRO-1 -----------------------------------------------------------------------------------
-def check_zero1(Zero1: type) -> None:
-    """5 AdamW steps on 4 ranks: each rank's gradient shard is the mean over ranks of its slice, its
-    optimizer holds state for 1/N of the parameters, one reduce-scatter of the flat gradients and
-    one all-gather of the shards per step (no all-reduce), weights equal one process's."""
-    not_the_course_answer("check_zero1", Zero1, course=PACKAGE)
-    note = (f"{WORLD} ranks, {ZERO1_STEPS} AdamW steps. Payload per step: the reduce-scatter takes the whole "
-            "padded gradient buffer, the all-gather one shard (wire: (N-1)/N of the buffer each, together "
-            "the 2(N-1)/N of data parallelism's all-reduce)")
-    with Report("Zero1", note=note) as report:
-        results = on_ranks(_zero1_on_rank, WORLD, Zero1, list(ZERO_MODELS))   # first: an unsolved step() fails fast
-        references = {name: _reference(name, ZERO1_STEPS) for name in ZERO_MODELS}
-        for i, name in enumerate(ZERO_MODELS):
-            per_rank = [rank[i] for rank in results]
-            ref = references[name]
-            padded = ref["grads"][0].numel()
-            shard = padded // WORLD
-            detail, errors = _zero1_problem(per_rank, ref, shard)
-            got = per_rank[0]
-            report.add(not detail, detail, model=name, params=ref["weights"].numel(), padded=padded,
-                       **{"state/rank": got.get("state", "-"), "2 x shard": 2 * shard,
-                          "reduce-scatter (B)": _bytes(got, "reduce_scatter"), "all-gather (B)": _bytes(got, "all_gather"),
-                          "all-reduce (B)": _bytes(got, "all_reduce")},
-                       max_grad_err=errors[0], max_weight_err=errors[1])
-
-
-def _bytes(got: dict, op: str) -> str:
-    """Payload per step of one operation, as 'b' when every step moved the same, else the list."""
-    if "comm" not in got:
-        return "-"
-    per_step = sorted({step.get(op, (0, 0))[1] for step in got["comm"]})
-    return str(per_step[0]) if len(per_step) == 1 else str(per_step)
-
-
-def _zero1_on_rank(Zero1: type, names: list) -> list:
-    rank, out = dist.get_rank(), []
-    for name in names:
-        model = _model(name)
-        try:
-            zero = Zero1(model, dist.group.WORLD, LR)
-            not_the_course_answer("check_zero1", zero, course=PACKAGE)
-            losses, grads, comm, seen = [], [], [], []
-            # param_shard.grad as the optimizer sees it, when step() calls it (step() may drop it afterwards)
-            zero.optimizer.register_step_pre_hook(functools.partial(_grad_at_step, zero, seen))
-            for step in range(ZERO1_STEPS):
-                tokens = _tokens(name, step, rank)
-                loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-                loss.backward()
-                losses.append(loss.item())
-                seen.clear()
-                with recorded_collectives() as calls:
-                    zero.step()
-                comm.append(_per_op(calls))
-                grads.append(seen[-1] if seen else "no step")
-                zero.zero_grad()
-        except WrongCollectiveUse as e:
-            out.append({"error": str(e)})
-            continue
-        out.append({"losses": losses, "grads": grads, "comm": comm, "state": _state_numel(zero.optimizer),
-                    "weights": _flat(list(model.parameters()))})
-    return out
+def _zero1_case(Zero1: type, case: dict, at: dict) -> dict:
+    rank, name, model = dist.get_rank(), case["model"], _model(case["model"])
+    zero = Zero1(model, dist.group.WORLD, LR)
+    ZERO1.refuse(Zero1, zero)
+    at["where"], got, seen = "step(): ", {"losses": [], "grads": [], "collectives": []}, []
+    # param_shard.grad as the optimizer sees it, when step() calls it (step() may drop it afterwards)
+    zero.optimizer.register_step_pre_hook(functools.partial(_grad_at_step, zero, seen))
+    for step in range(ZERO1_STEPS):
+        tokens = _tokens(name, step, rank)
+        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        got["losses"].append(loss.item())
+        seen.clear()
+        with recorded_collectives() as calls:
+            zero.step()
+        got["collectives"].append(_in_bytes(calls))
+        got["grads"].append(seen[-1] if seen else "step() never called self.optimizer.step(), the AdamW over "
+                                                  "param_shard that __init__ made")
+        zero.zero_grad()
+    return got | {"state": _state_numel(zero.optimizer), "weights": _flat(list(model.parameters()))}
 
 
 def _grad_at_step(zero, seen: list, optimizer, args, kwargs) -> None:
     grad = getattr(getattr(zero, "param_shard", None), "grad", None)
-    seen.append(None if grad is None else grad.detach().clone())
+    seen.append(grad.detach().clone() if grad is not None else "param_shard.grad was None when step() called "
+                "self.optimizer.step(): give the optimizer the averaged gradient shard (self.param_shard.grad = ...) "
+                "before that call")
 
 
-def _zero1_problem(per_rank: list, ref: dict, shard: int) -> tuple[str, tuple[float, float]]:
-    nan = (math.nan, math.nan)
-    if "error" in per_rank[0]:
-        return f"step(): {per_rank[0]['error']}", nan
-    grad_err = max((max_abs_error(g, _shard(want, r)) if isinstance(g, torch.Tensor) else math.inf)
-                   for r, got in enumerate(per_rank) for g, want in zip(got["grads"], ref["grads"]))
-    weight_err = max(max_abs_error(got["weights"], ref["weights"]) for got in per_rank)
-    errors = (grad_err, weight_err)
-    got = per_rank[0]
-    if got["state"] != 2 * shard:
-        whole = 2 * ref["weights"].numel()
-        why = (" That is AdamW's two moments for the whole model: each rank must step only its shard "
-               "(self.optimizer over self.param_shard), not every parameter") if got["state"] >= whole else ""
-        if got["state"] == 0:
-            why = (" None at all: AdamW makes its state at its first step, for parameters that have a gradient. Set "
-                   "self.param_shard.grad, then call self.optimizer.step()")
-        return (f"rank 0's optimizer holds {got['state']} elements of state, expected 2 x its shard = "
-                f"{2 * shard}.{why}"), errors
-    problem = _zero1_comm_problem(got["comm"], ref["grads"][0].numel() * 4, shard * 4)
-    if problem:
-        return problem, errors
-    for rank, result in enumerate(per_rank):
-        for step, (g, want) in enumerate(zip(result["grads"], ref["grads"])):
-            want = _shard(want, rank)
-            if isinstance(g, str):
-                return (f"step {step}: step() never called self.optimizer.step(), the AdamW over param_shard that "
-                        "__init__ made"), errors
-            if g is None:
-                return ("when step() called self.optimizer.step(), param_shard.grad was None: give the optimizer "
-                        "the averaged gradient shard (self.param_shard.grad = ...) before that call"), errors
-            if not close_in_training(g, want):
-                return (f"rank {rank}, step {step}: param_shard.grad is not this rank's shard of the gradient "
-                        f"averaged over ranks{_sum_hint(g, want)}: {mismatch(g, want)}"), errors
-    loss_err = max(abs(sum(r["losses"][s] for r in per_rank) / WORLD - want) for s, want in enumerate(ref["losses"]))
-    if loss_err > tolerance.LOSS_ATOL:   # fp32 losses: 1e-5
-        return f"the losses (mean over ranks) differ from one process's by {loss_err:.2e} (> 1e-5)", errors
-    for rank, result in enumerate(per_rank):
-        if max_abs_error(result["weights"], ref["weights"]) > WEIGHT_TOL:
-            return (f"rank {rank}'s weights after {ZERO1_STEPS} steps differ from one process's by "
-                    f"{max_abs_error(result['weights'], ref['weights']):.2e} (> {WEIGHT_TOL}): "
-                    f"{mismatch(result['weights'], ref['weights'])}. Every rank must end each step with every "
-                    "rank's updated shard in flat_params"), errors
-    return "", errors
+def _expect_zero1(case: dict, observed: dict) -> dict:
+    ref = _reference(case["model"], ZERO1_STEPS)
+    padded = ref["grads"][0].numel()
+    calls = [f"all_gather of {padded // WORLD * 4} B", f"reduce_scatter of {padded * 4} B"]
+    return {"refused": [""] * WORLD, "state": [2 * padded // WORLD] * WORLD,
+            "collectives": [[calls] * ZERO1_STEPS] * WORLD,
+            "grads": [[_shard(g, rank) for g in ref["grads"]] for rank in range(WORLD)], "losses": ref["losses"],
+            "weights": [ref["weights"]] * WORLD}
 
 
-def _zero1_comm_problem(comm: list, grad_bytes: int, shard_bytes: int) -> str:
-    for step, ops in enumerate(comm):
-        if "all_reduce" in ops:
-            return (f"step {step} called all-reduce ({ops['all_reduce'][1]} bytes): every rank would get the whole "
-                    "averaged gradient, but it steps only its shard. Reduce-scatter the flat gradients instead: "
-                    "each rank receives just its shard, and sends half the bytes of an all-reduce")
-        others = sorted(set(ops) - {"reduce_scatter", "all_gather"})
-        if others:
-            return f"step {step} called {', '.join(others)}: ZeRO-1 needs one reduce-scatter and one all-gather"
-        if "reduce_scatter" not in ops:
-            return (f"step {step} made no reduce-scatter: average the flat gradient buffer over ranks with a "
-                    "reduce-scatter into this rank's gradient shard")
-        calls, nbytes = ops["reduce_scatter"]
-        if (calls, nbytes) != (1, grad_bytes):
-            return (f"step {step} reduce-scattered {nbytes} bytes in {calls} call(s); expected one reduce-scatter of "
-                    f"the whole flat gradient buffer ({grad_bytes} bytes)")
-        if "all_gather" not in ops:
-            return (f"step {step} made no all-gather: each rank updated only its own shard, so the others' parts of "
-                    "the model are stale. All-gather every rank's updated param_shard into flat_params")
-        calls, nbytes = ops["all_gather"]
-        if (calls, nbytes) != (1, shard_bytes):
-            return (f"step {step} all-gathered {nbytes} bytes in {calls} call(s); expected one all-gather of this "
-                    f"rank's parameter shard ({shard_bytes} bytes) into flat_params")
-    return ""
+def _zero1_columns(case: dict, got: dict) -> dict:
+    padded = _reference(case["model"], ZERO1_STEPS)["grads"][0].numel()
+    return {"params": _reference(case["model"], ZERO1_STEPS)["weights"].numel(), "padded": padded,
+            "state/rank": _rank0(got, "state"), "2 x shard": 2 * padded // WORLD,
+            "payloads of a step (rank 0)": _rank0(got, "collectives", lambda steps: ", ".join(steps[0]))}
+
+
+class _Zero1:
+    """The correct Zero1 the misconceptions below change (refused as an answer): parameters and gradients are
+    views of two padded flat buffers; AdamW over this rank's slice."""
+
+    def __init__(self, model, group, lr):
+        self.group, world, rank = group, dist.get_world_size(group), dist.get_rank(group)
+        params = list(model.parameters())
+        self.numel = sum(p.numel() for p in params)
+        size = -(-self.numel // world)
+        self.flat_params, self.flat_grads = _viewed(params, world * size, "data", "grad")
+        self.mine = slice(rank * size, (rank + 1) * size)
+        self.param_shard = nn.Parameter(self.flat_params[self.mine].clone())
+        self.optimizer = torch.optim.AdamW([self.param_shard], lr=lr)
+
+    def step(self):
+        self.param_shard.grad = self.reduce(self.flat_grads)
+        self.optimizer.step()
+        self.gather()
+
+    def reduce(self, flat):
+        shard = torch.empty_like(self.param_shard)
+        dist.reduce_scatter_tensor(shard, flat, op=AVG, group=self.group)
+        return shard
+
+    def gather(self):
+        dist.all_gather_into_tensor(self.flat_params, self.param_shard.detach(), group=self.group)
+
+    def zero_grad(self):
+        self.flat_grads.zero_()
+
+
+class Zero1WholeModel(_Zero1):
+    """Plain data parallelism in ZeRO's clothes: every rank keeps AdamW state for every parameter."""
+
+    def __init__(self, model, group, lr):
+        super().__init__(model, group, lr)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step(self):
+        dist.all_reduce(self.flat_grads, op=AVG, group=self.group)
+        self.optimizer.step()
+
+
+class Zero1NoDetach(_Zero1):
+    def gather(self):  # param_shard requires grad: torch refuses to write it into flat_params' views
+        dist.all_gather_into_tensor(self.flat_params, self.param_shard, group=self.group)
+
+
+class Zero1Unpadded(_Zero1):
+    def reduce(self, flat):  # the gradients of the parameters only, without the padding
+        return super().reduce(flat[:self.numel])
+
+
+class Zero1AllReduce(_Zero1):
+    def reduce(self, flat):
+        dist.all_reduce(flat, op=AVG, group=self.group)  # the whole mean everywhere, then a slice of it
+        return flat[self.mine].clone()
+
+
+class Zero1NoAllGather(_Zero1):
+    def gather(self):  # the updated shard goes back into this rank's slice only
+        self.flat_params[self.mine] = self.param_shard.detach()
+
+
+class Zero1Sums(_Zero1):
+    def reduce(self, flat):
+        shard = torch.empty_like(self.param_shard)
+        dist.reduce_scatter_tensor(shard, flat, group=self.group)  # sum, never divided
+        return shard
+
+
+ZERO1 = Check(
+    "Zero1", observe=_on_ranks(_zero1_case, _mean_losses), expect=_expect_zero1, course=COURSE, only=ONLY,
+    note=(f"{WORLD} ranks, {ZERO1_STEPS} AdamW steps. Payload per step: the reduce-scatter takes the whole padded "
+          "gradient buffer, the all-gather one shard (wire: (N-1)/N of the buffer each, together the 2(N-1)/N of "
+          "data parallelism's all-reduce)"),
+    cases=[dict(model=name) for name in ZERO_MODELS], columns=_zero1_columns,
+    quantities={
+        "refused": Refused("stopped before a collective that would crash or hang", axes=("rank {}",)),
+        "state": Exact("the elements of AdamW state in each rank's optimizer: the two moments of its shard, 2 x shard "
+                       "(none: AdamW makes its state at its first step, for parameters that have a gradient; set "
+                       "self.param_shard.grad, then call self.optimizer.step())", axes=("rank {}",)),
+        "collectives": Exact("the collectives of each step() and their payloads: one reduce-scatter of the whole "
+                             "padded flat gradient buffer into this rank's gradient shard, one all-gather of this "
+                             "rank's updated param_shard into flat_params, nothing else", axes=("rank {}", "step {}")),
+        "grads": InTraining("param_shard.grad when step() called self.optimizer.step(), against this rank's shard of "
+                            "the gradient averaged over ranks", axes=("rank {}", "step {}")),
+        "losses": Within("the losses (mean over ranks), against one process's", atol=tolerance.LOSS_ATOL),
+        "weights": Within(f"the weights after {ZERO1_STEPS} steps, against one process's: every rank must end each "
+                          "step with every rank's updated shard in flat_params", atol=WEIGHT_TOL, axes=("rank {}",))},
+    misconceptions=[
+        Misconception(Zero1WholeModel, "each rank's optimizer holds AdamW's two moments for the whole model: each "
+                                       "rank must step only its shard (self.optimizer over self.param_shard), not "
+                                       "every parameter"),
+        Misconception(Zero1NoDetach, "all-gather param_shard.detach(): collectives do not go through autograd, and "
+                                     "torch refuses to write a tensor that requires grad into flat_params' views"),
+        Misconception(Zero1Unpadded, "reduce-scatter the whole padded flat gradient buffer: its input must hold "
+                                     "exactly world x the shard, so pad the flat buffer with zeros to a multiple of "
+                                     "the world size"),
+        Misconception(Zero1AllReduce, "reduce-scatter the flat gradients, do not all-reduce them: every rank would "
+                                      "get the whole averaged gradient, but it steps only its shard; with a "
+                                      "reduce-scatter each rank receives just its shard, and sends half the bytes"),
+        Misconception(Zero1NoAllGather, "each rank updated only its own shard, so the others' parts of the model are "
+                                        "stale: all-gather every rank's updated param_shard into flat_params"),
+        Misconception(Zero1Sums, "param_shard.grad looks like the sum over ranks: average, op=ReduceOp.AVG or divide "
+                                 "by the world size")])
+
+
+def check_zero1(Zero1: type) -> None:
+    """5 AdamW steps on 4 ranks: each rank's gradient shard is the mean over ranks of its slice, its
+    optimizer holds state for 1/N of the parameters, one reduce-scatter of the flat gradients and
+    one all-gather of the shards per step (no all-reduce), weights equal one process's."""
+    ZERO1(Zero1)
 
 
 # ---- 3. ZeRO-3 forward ---------------------------------------------------------------------------
@@ -479,13 +604,12 @@ class _Guard:
         return torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, self.unpack)
 
 
-def _build_units(Unit: type, model: Llama, guard: _Guard) -> list:
+def _build_units(check: Check, Zero3Unit: type, model: Llama, guard: _Guard) -> list:
     units = []
     for label, module, params in unit_params(model):
-        unit = Unit(module, params, dist.group.WORLD)
-        not_the_course_answer("the ZeRO-3 check", unit, course=PACKAGE)
+        units.append(Zero3Unit(module, params, dist.group.WORLD))
         guard.watch(label, module, params)
-        units.append(unit)
+    check.refuse(Zero3Unit, *units)
     return units
 
 
@@ -500,153 +624,148 @@ def _held(units: list) -> int:
     return sum(storages.values())
 
 
-def _shard_sizes(units: list) -> list[int]:
-    return [unit.shard.numel() for unit in units]
+def _forward_case(Zero3Unit: type, case: dict, at: dict) -> dict:
+    model, tokens = _model(case["model"]), _tokens(case["model"], 0, dist.get_rank())
+    units = _build_units(FORWARD, Zero3Unit, model, _Guard())
+    with recorded_collectives() as calls:
+        logits = model(tokens[:, :-1])
+    return {"shards": [unit.shard.numel() for unit in units], "held": _held(units), "collectives": _in_bytes(calls),
+            "logits": logits.detach().clone()}
+
+
+def _expect_forward(case: dict, observed: dict) -> dict:
+    shards = [_padded(n) // WORLD for n in _sizes(case["model"])]
+    return {"refused": [""] * WORLD, "shards": [shards] * WORLD, "held": [0] * WORLD,
+            "collectives": [_counted(f"all_gather of {4 * shard} B" for shard in shards)] * WORLD,
+            "logits": _logits(case["model"])}
+
+
+class _Unit:
+    """The correct Zero3Unit the misconceptions below change (refused as an answer): one module's parameters as
+    views of a padded flat buffer; this rank keeps 1/N of it."""
+
+    def __init__(self, module, params, group):
+        self.module, self.params, self.group = module, list(params), group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        size = -(-sum(p.numel() for p in self.params) // world)
+        self.full, = _viewed(self.params, world * size, "data")
+        self.shard = nn.Parameter(self.full[rank * size:(rank + 1) * size].clone())
+        self.pending = len(self.params)
+        self.hook_forward()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+        self.free()
+
+    def hook_forward(self):
+        self.module.register_forward_pre_hook(lambda module, args: self.gather())
+        self.module.register_forward_hook(self.post_forward)
+
+    def post_forward(self, module, args, output):
+        self.free()
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.gather())
+
+    def grad_ready(self, param):
+        self.pending -= 1
+        if not self.pending:
+            self.pending = len(self.params)
+            self.reduce_grads()
+            self.free()
+
+    def gather(self):
+        self.full.untyped_storage().resize_(self.full.numel() * 4)
+        dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)
+
+    def flat_grad(self):
+        return _flat([p.grad for p in self.params], self.full.numel())
+
+    def reduce_grads(self):
+        shard = self.scatter(self.flat_grad())
+        self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
+        self.drop()
+
+    def scatter(self, flat):
+        shard = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(shard, flat, op=AVG, group=self.group)
+        return shard
+
+    def drop(self):
+        for p in self.params:
+            p.grad = None
+
+
+class UnitNeverFrees(_Unit):
+    def free(self):
+        pass
+
+
+class UnitGathersIntoFreedMemory(_Unit):
+    def gather(self):  # forgets to give the buffer its memory back
+        dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)
+
+
+class UnitNoForwardGather(_Unit):
+    def hook_forward(self):
+        self.module.register_forward_hook(self.post_forward)
+
+
+FORWARD = Check(
+    "Zero3Unit forward", observe=_on_ranks(_forward_case), expect=_expect_forward, course=COURSE, only=ONLY,
+    note=(f"{WORLD} ranks, one forward; units: one per decoder layer + one for the rest of the model. 'held after' "
+          "is the memory behind the units' full parameters once forward returned: 0 when freed"),
+    cases=[dict(model=name) for name in ZERO_MODELS],
+    columns=lambda case, got: {"units": len(_sizes(case["model"])), "shard numels": _rank0(got, "shards"),
+                               "all-gathers": _rank0(got, "collectives", _calls),
+                               "held after (B)": _rank0(got, "held")},
+    quantities={
+        "refused": Refused("stopped before it could crash", axes=("rank {}",)),
+        "shards": Exact(f"the elements of each unit's shard: 1/{WORLD} of the unit's padded parameters, nothing more",
+                        axes=("rank {}",)),
+        "held": Exact("the bytes still behind the units' full parameters once forward returned: free_params must "
+                      "release unit.full's memory (unit.full.untyped_storage().resize_(0)) and hook_forward must "
+                      "call it from a forward hook, after the module's forward", axes=("rank {}",)),
+        "collectives": Exact("the collectives of one forward and their payloads: one all-gather per unit, of its "
+                             "shard (gather_params all-gathers every rank's unit.shard into unit.full)",
+                             axes=("rank {}",)),
+        "logits": Close("the logits, against one process's: each unit must gather every rank's shard, in rank order, "
+                        "into unit.full", n=ROUNDINGS, axes=("rank {}",))},
+    misconceptions=[
+        Misconception(UnitNeverFrees, "the full parameters still hold memory after forward: free_params must release "
+                                      "unit.full's memory (unit.full.untyped_storage().resize_(0)), called from a "
+                                      "forward hook"),
+        Misconception(UnitGathersIntoFreedMemory, "give unit.full its memory back before the all-gather writes into "
+                                                  "it: unit.full.untyped_storage().resize_(numel * element_size)"),
+        Misconception(UnitNoForwardGather, "a module starts its forward with parameters that have no memory: "
+                                           "hook_forward must call gather_params from a forward pre-hook")])
 
 
 def check_zero3_forward(Zero3Unit: type) -> None:
     """One forward on 4 ranks: each unit all-gathers its shard once before its module runs and frees
     the full parameters after; the logits equal one process's, and no full parameter is left."""
-    not_the_course_answer("check_zero3_forward", Zero3Unit, course=PACKAGE)
-    note = (f"{WORLD} ranks, one forward; units: one per decoder layer + one for the rest of the model. "
-            "'held after' is the memory behind the units' full parameters once forward returned: 0 when freed")
-    with Report("Zero3Unit forward", note=note) as report:
-        results = on_ranks(_zero3_forward_on_rank, WORLD, Zero3Unit, list(ZERO_MODELS))
-        with one_thread():
-            for i, name in enumerate(ZERO_MODELS):
-                per_rank = [rank[i] for rank in results]
-                model = _model(name)
-                sizes = [sum(p.numel() for p in params) for _, _, params in unit_params(model)]
-                with torch.no_grad():
-                    expected = [model(_tokens(name, 0, rank)[:, :-1]) for rank in range(WORLD)]
-                detail, err = _zero3_forward_problem(per_rank, expected, sizes)
-                got = per_rank[0]
-                gathers = got["comm"].get("all_gather", (0, 0)) if "comm" in got else ("-", "-")
-                report.add(not detail, detail, model=name, units=len(sizes),
-                           **{"shard numels": got.get("shards", "-"), "all-gathers": gathers[0],
-                              "gathered (B)": gathers[1],
-                              "shards (B)": sum(_padded(n) // WORLD * 4 for n in sizes),
-                              "held after (B)": got.get("held", "-")},
-                           max_abs_err=err)
-
-
-def _zero3_forward_on_rank(Zero3Unit: type, names: list) -> list:
-    rank, out = dist.get_rank(), []
-    for name in names:
-        model = _model(name)
-        tokens = _tokens(name, 0, rank)
-        try:
-            units = _build_units(Zero3Unit, model, _Guard())
-            with recorded_collectives() as calls:
-                logits = model(tokens[:, :-1])
-        except WrongCollectiveUse as e:
-            out.append({"error": str(e)})
-            continue
-        out.append({"logits": logits.detach().clone(), "held": _held(units), "shards": _shard_sizes(units),
-                    "comm": _per_op(calls)})
-    return out
-
-
-def _zero3_forward_problem(per_rank: list, expected: list, sizes: list) -> tuple[str, float]:
-    if "error" in per_rank[0]:
-        return per_rank[0]["error"], math.nan
-    err = max(max_abs_error(got["logits"], want) for got, want in zip(per_rank, expected))
-    got = per_rank[0]
-    shards = [_padded(n) // WORLD for n in sizes]
-    if got["shards"] != shards:
-        return (f"the units' shards hold {got['shards']} elements, expected {shards}: 1/{WORLD} of each unit's "
-                "padded parameters, nothing more"), err
-    if got["held"]:
-        return (f"after forward the units' full parameters still hold {got['held']} bytes: free_params must release "
-                "unit.full's memory (unit.full.untyped_storage().resize_(0)) and hook_forward must call it from a "
-                "forward hook, after the module's forward"), err
-    problem = _zero3_gather_problem(got["comm"], sizes, per_forward=1)
-    if problem:
-        return problem, err
-    for rank, (result, want) in enumerate(zip(per_rank, expected)):
-        if not close_enough(result["logits"], want, n=ROUNDINGS):
-            return (f"rank {rank}'s logits differ from one process's: {mismatch(result['logits'], want)}. Each unit "
-                    "must gather every rank's shard, in rank order, into unit.full"), err
-    return "", err
-
-
-def _zero3_gather_problem(ops: dict, sizes: list, per_forward: int) -> str:
-    units, shard_bytes = len(sizes), sum(_padded(n) // WORLD * 4 for n in sizes)
-    when = "forward" if per_forward == 1 else "forward and backward"
-    calls, nbytes = ops.get("all_gather", (0, 0))
-    if calls == 0:
-        return (f"no all-gather ran during the {when}: gather_params must all-gather every rank's unit.shard into "
-                "unit.full")
-    if (calls, nbytes) != (per_forward * units, per_forward * shard_bytes):
-        return (f"{calls} all-gathers of {nbytes} bytes in one {when} for {units} units; expected {per_forward} per "
-                f"unit, of its shard: {per_forward * units} calls, {per_forward * shard_bytes} bytes")
-    return ""
+    FORWARD(Zero3Unit)
 
 
 # ---- 4. ZeRO-3 training ----------------------------------------------------------------------------
-def check_zero3_training(Zero3Unit: type) -> None:
-    """4 AdamW steps on the units' shards, 4 ranks, the last step over 2 micro-batches with no zero_grad
-    between them: after each step's backward every shard's gradient is the mean over ranks of its slice
-    (over the whole step's batch), no full parameter or full gradient is left after any backward; per
-    forward and backward 2 all-gathers and 1 reduce-scatter per unit, no all-reduce; losses and weights
-    equal one process's."""
-    not_the_course_answer("check_zero3_training", Zero3Unit, course=PACKAGE)
-    note = (f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps over the units' shards, the last over {ACCUMULATE} "
-            "micro-batches. Per forward and backward each unit all-gathers its shard twice and reduce-scatters its "
-            "gradient once: the Playbook's 3 x Psi")
-    with Report("Zero3Unit training", note=note) as report:
-        results = on_ranks(_zero3_train_on_rank, WORLD, Zero3Unit, list(ZERO_MODELS))
-        references = {name: _reference(name, ZERO3_STEPS) for name in ZERO_MODELS}
-        for i, name in enumerate(ZERO_MODELS):
-            per_rank = [rank[i] for rank in results]
-            ref = references[name]
-            sizes = [sum(p.numel() for p in params) for _, _, params in unit_params(_model(name))]
-            detail, errors = _zero3_train_problem(per_rank, ref, sizes)
-            got = per_rank[0]
-            calls = {op: (max(step.get(op, (0, 0))[0] for step in got["comm"]) if "comm" in got else "-")
-                     for op in ("all_gather", "reduce_scatter", "all_reduce")}
-            report.add(not detail, detail, model=name, units=len(sizes),
-                       **{"all-gathers/pass": calls["all_gather"], "reduce-scatters/pass": calls["reduce_scatter"],
-                          "all-reduces/pass": calls["all_reduce"],
-                          "held after bwd (B)": max(got["held"]) if "held" in got else "-"},
-                       max_grad_err=errors[0], max_loss_err=errors[1], max_weight_err=errors[2])
-
-
 def _micro_batches(step: int) -> int:
     """Micro-batches of a training step of the ZeRO-3 check: the last step accumulates gradients over 2."""
     return ACCUMULATE if step == ZERO3_STEPS - 1 else 1
 
 
-def _zero3_train_on_rank(Zero3Unit: type, names: list) -> list:
-    rank, out = dist.get_rank(), []
-    for name in names:
-        model, guard, at = _model(name), _Guard(), {"where": "step 0", "phase": "forward"}
-        try:
-            units = _build_units(Zero3Unit, model, guard)
-
-            def one_pass(part, micro, where):
-                with recorded_collectives() as calls, guard.reads():
-                    at.update(where=where, phase="forward")
-                    output = model(part[:, :-1])
-                    loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
-                    at["phase"] = "backward"
-                    loss.backward()
-                return loss, output, calls
-
-            out.append(_train_units(name, rank, units, one_pass))
-        except WrongCollectiveUse as e:
-            out.append({"error": f"{at['where']}, {at['phase']}: {e}"})
-    return out
+NO_GRAD = "None (reduce_scatter_grads must put the averaged gradient shard in unit.shard.grad)"
+PASSES = sum(_micro_batches(step) for step in range(ZERO3_STEPS))   # forwards and backwards, one per micro-batch
 
 
-def _train_units(name: str, rank: int, units: list, one_pass) -> dict:
+def _train_units(name: str, units: list, one_pass) -> dict:
     """ZERO3_STEPS AdamW steps over the units' shards, the last over ACCUMULATE micro-batches, with what the
     ZeRO-3 checks compare: the first logits, each step's loss and gradient shards, each pass's collectives, the
-    bytes held after it and the full gradients left in p.grad, and the final shards. `one_pass(part, micro,
-    where)` runs one micro-batch's forward and backward under the check's recorders and returns (loss,
-    output, recorded calls)."""
-    optimizer = torch.optim.AdamW([unit.shard for unit in units], lr=LR)
-    got = {"logits": None, "losses": [], "grads": [], "comm": [], "held": [], "full_grads": []}
+    bytes held after it and the full gradients left in p.grad, and this rank's part of the final weights (its
+    shards without the padding). `one_pass(part, micro, where)` runs one micro-batch's forward and backward
+    under the check's recorders and returns (loss, output, recorded calls)."""
+    rank, optimizer = dist.get_rank(), torch.optim.AdamW([unit.shard for unit in units], lr=LR)
+    got = {"logits": None, "losses": [], "grads": [], "collectives": [], "held": [], "full grads": []}
     for step in range(ZERO3_STEPS):
         micro = _micro_batches(step)
         step_loss = 0.0
@@ -655,81 +774,158 @@ def _train_units(name: str, rank: int, units: list, one_pass) -> dict:
             if got["logits"] is None:
                 got["logits"] = output.detach().clone()
             step_loss += loss.item()
-            got["comm"].append(_per_op(calls))        # per forward and backward pass
+            got["collectives"].append(_in_bytes(calls))        # per forward and backward pass
             got["held"].append(_held(units))
-            got["full_grads"].append(sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None))
+            got["full grads"].append(sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None))
         got["losses"].append(step_loss)
-        got["grads"].append([None if unit.shard.grad is None else unit.shard.grad.detach().clone() for unit in units])
+        got["grads"].append([unit.shard.grad.detach().clone() if unit.shard.grad is not None else NO_GRAD
+                             for unit in units])
         optimizer.step()
         optimizer.zero_grad()
-    got["shards"] = [unit.shard.detach().clone() for unit in units]
+    numels = [sum(p.numel() for p in unit.params) for unit in units]
+    got["weights"] = [unit.shard.detach()[:max(0, n - rank * unit.shard.numel())].clone()
+                      for unit, n in zip(units, numels)]
     return got
 
 
-def _zero3_train_problem(per_rank: list, ref: dict, sizes: list) -> tuple[str, tuple[float, float, float]]:
-    if "error" in per_rank[0]:
-        return per_rank[0]["error"], (math.nan,) * 3
-    grad_err = max((max_abs_error(g, _shard(want, rank)) if g is not None else math.inf)
-                   for rank, got in enumerate(per_rank) for step, per_unit in enumerate(got["grads"])
-                   for g, want in zip(per_unit, ref["unit_grads"][step]))
-    loss_err = max(abs(sum(r["losses"][s] for r in per_rank) / WORLD - want) for s, want in enumerate(ref["losses"]))
-    weights = [torch.cat([r["shards"][u] for r in per_rank])[:n] for u, n in enumerate(sizes)]
-    weight_err = max(max_abs_error(w, want) for w, want in zip(weights, ref["unit_weights"]))
-    errors = (grad_err, loss_err, weight_err)
-    got = per_rank[0]
-    if max(got["held"]):
-        return (f"after backward the units' full parameters still hold {max(got['held'])} bytes: once a unit's "
-                "gradients are reduce-scattered its parameters must be freed (free_params), and each unit's backward "
-                "gather must be freed the same way"), errors
-    if max(got["full_grads"]):
-        return (f"after backward the parameters still hold {max(got['full_grads'])} elements of full gradients "
-                "(p.grad): reduce_scatter_grads must drop them (p.grad = None) once their average is in the shard"), \
-            errors
-    passes = [(step, i) for step in range(ZERO3_STEPS) for i in range(_micro_batches(step))]
-    for (step, i), ops in zip(passes, got["comm"]):
-        problem = _zero3_step_comm_problem(ops, sizes)
-        if problem:
-            return f"step {step}{f', micro-batch {i}' if _micro_batches(step) > 1 else ''}: {problem}", errors
-    for rank, result in enumerate(per_rank):
-        for step, per_unit in enumerate(result["grads"]):
-            for u, (g, want) in enumerate(zip(per_unit, ref["unit_grads"][step])):
-                want = _shard(want, rank)
-                if g is None:
-                    return (f"unit {u}'s shard.grad is None after backward: reduce_scatter_grads must put the "
-                            "averaged gradient shard in unit.shard.grad"), errors
-                if not close_in_training(g, want):
-                    if _micro_batches(step) > 1:
-                        return (f"rank {rank}, step {step}, unit {u}: this step ran {_micro_batches(step)} micro-batches "
-                                "with no zero_grad between them, and shard.grad is not the sum of their averaged "
-                                "gradient shards: add the new shard to unit.shard.grad when a gradient is already "
-                                f"there{_sum_hint(g, want)}. {mismatch(g, want)}"), errors
-                    return (f"rank {rank}, step {step}, unit {u}: shard.grad is not this rank's shard of the gradient "
-                            f"averaged over ranks{_sum_hint(g, want)}: {mismatch(g, want)}"), errors
-    if loss_err > tolerance.LOSS_ATOL:   # fp32 losses: 1e-5
-        return f"the losses (mean over ranks) differ from one process's by {loss_err:.2e} (> 1e-5)", errors
-    if weight_err > WEIGHT_TOL:
-        return (f"the weights after {ZERO3_STEPS} steps (every rank's shards put together) differ from one process's "
-                f"by {weight_err:.2e} (> {WEIGHT_TOL})"), errors
-    return "", errors
+def _trained(got: dict, case: dict) -> dict:
+    """The mean of the ranks' losses, and the weights of each unit, every rank's shard put together."""
+    got = _mean_losses(got, case)
+    return got | ({"weights": [torch.cat(parts) for parts in zip(*got["weights"])]} if "weights" in got else {})
 
 
-def _zero3_step_comm_problem(ops: dict, sizes: list) -> str:
-    if "all_reduce" in ops:
-        return (f"all-reduce called ({ops['all_reduce'][1]} bytes): every rank would get the whole averaged "
-                "gradient but keeps only its shard. reduce_scatter_grads must reduce-scatter the flat gradient "
-                "instead: each rank receives just its shard, half the bytes of an all-reduce")
-    others = sorted(set(ops) - {"reduce_scatter", "all_gather"})
-    if others:
-        return f"{', '.join(others)} called: ZeRO-3 needs only all-gathers and reduce-scatters"
-    problem = _zero3_gather_problem(ops, sizes, per_forward=2)
-    if problem:
-        return problem
-    calls, nbytes = ops.get("reduce_scatter", (0, 0))
-    grad_bytes = sum(_padded(n) * 4 for n in sizes)
-    if (calls, nbytes) != (len(sizes), grad_bytes):
-        return (f"{calls} reduce-scatters of {nbytes} bytes for {len(sizes)} units; expected one per unit, of its "
-                f"whole padded flat gradient: {len(sizes)} calls, {grad_bytes} bytes")
-    return ""
+def _train_case(Zero3Unit: type, case: dict, at: dict) -> dict:
+    model, guard = _model(case["model"]), _Guard()
+    units = _build_units(TRAINING, Zero3Unit, model, guard)
+    return _train_units(case["model"], units, _one_pass(model, at, guard))
+
+
+def _one_pass(model: Llama, at: dict, guard: _Guard):
+    """_train_units' one_pass: a micro-batch's forward and backward under the recorders and the guard (the
+    stretch's timeline, when it is one), `at` saying where they are."""
+    timeline = guard if isinstance(guard, _Timeline) else None
+
+    def phase(name: str, where: str, run: Callable):
+        at["where"] = f"{where}, {name}: "
+        if timeline:
+            timeline.begin(name, where)
+        result = run()
+        if timeline:
+            timeline.finish()
+        return result
+
+    def one_pass(part, micro, where):
+        frees = timeline.guard_frees() if timeline else nullcontext()
+        with recorded_collectives(timeline and timeline.observe) as calls, guard.reads(), frees:
+            output = phase("forward", where, lambda: model(part[:, :-1]))
+            loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
+            phase("backward", where, loss.backward)
+        return loss, output, calls
+    return one_pass
+
+
+def _expect_training(layout: Callable = None) -> Callable:
+    def expect(case: dict, observed: dict) -> dict:
+        name = case["model"]
+        ref, sizes = _reference(name, ZERO3_STEPS, layout), _sizes(name, layout)
+        calls = _counted([f"all_gather of {_padded(n) // WORLD * 4} B" for n in sizes] * 2
+                       + [f"reduce_scatter of {_padded(n) * 4} B" for n in sizes])
+        return {"refused": [""] * WORLD, "held": [[0] * PASSES] * WORLD, "full grads": [[0] * PASSES] * WORLD,
+                "collectives": [[calls] * PASSES] * WORLD, "logits": _logits(name),
+                "grads": [[[_shard(g, rank) for g in step] for step in ref["unit_grads"]] for rank in range(WORLD)],
+                "losses": ref["losses"], "weights": ref["unit_weights"], **{rule: [[]] * WORLD for rule in RULES}}
+    return expect
+
+
+TRAINED = {   # what a ZeRO-3 training run is compared by, after anything a rank refused
+    "held": Exact("the bytes still behind the units' full parameters after each forward and backward: once a unit's "
+                  "gradients are reduce-scattered its parameters must be freed (free_params), and each unit's backward "
+                  "gather freed the same way", axes=("rank {}", "pass {}")),
+    "full grads": Exact("the elements of full gradients left in p.grad after each backward: reduce_scatter_grads must "
+                        "drop them (p.grad = None) once their average is in the shard", axes=("rank {}", "pass {}")),
+    "collectives": Exact("the collectives of each forward and backward and their payloads: per unit two all-gathers "
+                         "of its shard (before its forward, before its backward) and one reduce-scatter of its whole "
+                         "padded flat gradient, nothing else", axes=("rank {}", "pass {}")),
+    "logits": Close("the logits of step 0, against one process's: each unit must compute with every rank's shard "
+                    "gathered into unit.full", n=ROUNDINGS, axes=("rank {}",)),
+    "grads": InTraining("each unit's shard.grad after each step's backward, against this rank's shard of the gradient "
+                        "averaged over ranks (the last step: the sum over its micro-batches, no zero_grad between "
+                        "them)", axes=("rank {}", "step {}", "unit {}")),
+    "losses": Within("the losses (mean over ranks), against one process's", atol=tolerance.LOSS_ATOL),
+    "weights": Within(f"the weights after {ZERO3_STEPS} steps (every rank's shards put together), against one "
+                      "process's", atol=WEIGHT_TOL, axes=("unit {}",))}
+
+
+class UnitNoBackwardGather(_Unit):
+    def post_forward(self, module, args, output):
+        self.free()
+
+
+class UnitUnpadded(_Unit):
+    def flat_grad(self):
+        return torch.cat([p.grad.reshape(-1) for p in self.params])
+
+
+class UnitKeepsFullGrads(_Unit):
+    def drop(self):  # the p.grad stay: a full gradient on every rank
+        pass
+
+
+class UnitAllReduce(_Unit):
+    def scatter(self, flat):
+        dist.all_reduce(flat, op=AVG, group=self.group)
+        rank, size = dist.get_rank(self.group), self.shard.numel()
+        return flat[rank * size:(rank + 1) * size].clone()
+
+
+class UnitSums(_Unit):
+    def scatter(self, flat):
+        shard = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(shard, flat, group=self.group)  # sum, never divided
+        return shard
+
+
+class UnitOverwritesGrad(_Unit):
+    def reduce_grads(self):
+        self.shard.grad = self.scatter(self.flat_grad())  # the micro-batch before is lost
+        self.drop()
+
+
+SUMS = "the gradient shards look like the sum over ranks: average, op=ReduceOp.AVG or divide by the world size"
+TRAINING = Check(
+    "Zero3Unit training", observe=_on_ranks(_train_case, _trained), expect=_expect_training(), course=COURSE,
+    only=ONLY, cases=[dict(model=name) for name in ZERO_MODELS],
+    note=(f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps over the units' shards, the last over {ACCUMULATE} "
+          "micro-batches (passes 3 and 4: a pass is one forward and backward). Per pass each unit all-gathers its "
+          "shard twice and reduce-scatters its gradient once: the Playbook's 3 x Psi"),
+    columns=lambda case, got: {"units": len(_sizes(case["model"])),
+                               "collectives/pass": _rank0(got, "collectives", lambda passes: _calls(passes[0])),
+                               "held after (B)": _rank0(got, "held", max)},
+    quantities={"refused": Refused("stopped before it could crash or hang", axes=("rank {}",)), **TRAINED},
+    misconceptions=[
+        Misconception(UnitNoBackwardGather, "a module runs its backward with parameters that have no memory: gather "
+                                            "them again before the module's backward. In the forward hook, register "
+                                            "a hook on the output (output.register_hook) that calls gather_params"),
+        Misconception(UnitUnpadded, "reduce-scatter the whole padded flat gradient: pad it with zeros to a multiple "
+                                    "of the world size, so that the input holds exactly world x the shard"),
+        Misconception(UnitKeepsFullGrads, "the full gradients stay in p.grad on every rank: reduce_scatter_grads must "
+                                          "drop them (p.grad = None) once their average is in the shard"),
+        Misconception(UnitAllReduce, "reduce_scatter_grads called all-reduce: every rank would get the whole averaged "
+                                     "gradient but keeps only its shard. Reduce-scatter the flat gradient instead: "
+                                     "each rank receives just its shard, half the bytes of an all-reduce"),
+        Misconception(UnitSums, SUMS),
+        Misconception(UnitOverwritesGrad, "the last step ran 2 micro-batches with no zero_grad between them, and "
+                                          "shard.grad is not the sum of their averaged gradient shards: add the new "
+                                          "shard to unit.shard.grad when a gradient is already there")])
+
+
+def check_zero3_training(Zero3Unit: type) -> None:
+    """4 AdamW steps on the units' shards, 4 ranks, the last step over 2 micro-batches with no zero_grad
+    between them: after each step's backward every shard's gradient is the mean over ranks of its slice
+    (over the whole step's batch), no full parameter or full gradient is left after any backward; per
+    forward and backward 2 all-gathers and 1 reduce-scatter per unit, no all-reduce; losses and weights
+    equal one process's."""
+    TRAINING(Zero3Unit)
 
 
 # ---- 5. clipping sharded gradients by the global norm --------------------------------------------
@@ -737,49 +933,242 @@ JUNK = 100.0          # what the check writes into the padding of every shard's 
 CLIP_EPS = 1e-6       # torch.nn.utils.clip_grad_norm_: coefficient = max_norm / (norm + 1e-6), at most 1
 
 
-def _odd_model_unit_grads() -> list[torch.Tensor]:
-    """The averaged gradient of each ZeRO-3 unit of the "odd sizes" model on the global batch of step 0,
-    flat and unpadded (710 and 640 elements): what the ranks' shards hold after the reduce-scatter."""
-    model = _model("odd sizes")
-    batch = torch.cat([_tokens("odd sizes", 0, rank) for rank in range(WORLD)])
-    loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-    return [_flat([p.grad for p in params]) for _, _, params in unit_params(model)]
-
-
 def _random_buffers(numels: list[int], seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(n, generator=generator) * (i + 1) for i, n in enumerate(numels)]
 
 
-def _clip_cases() -> list[dict]:
-    """Each case: the groups of ranks, per group its buffers (flat, unpadded averaged gradients) and max_norm."""
+@functools.cache
+def _clip_cases() -> list[tuple[list, float]]:
+    """(buffers, max_norm) of each row of CLIP's cases. The buffers: flat, unpadded averaged gradients. The odd
+    model's: the averaged gradient of each of its ZeRO-3 units on the global batch of step 0 (710 and 640
+    elements); on 4 ranks, buffers of 3, 13 and 1 elements leave whole shards of padding."""
     with one_thread():
-        unit_grads = _odd_model_unit_grads()
-    norm = torch.linalg.vector_norm(torch.cat(unit_grads)).item()
-    tiny = _random_buffers([3, 13, 1], seed=1)          # on 4 ranks: whole shards of padding
-    pairs = [_random_buffers([7, 10, 5], seed=2), _random_buffers([7, 10, 5], seed=3)]
-
-    def clipped_at(fraction, buffers):
-        return fraction * torch.linalg.vector_norm(torch.cat(buffers)).item()
-    return [
-        {"case": "odd model's units, clipped", "groups": [[0, 1, 2, 3]], "buffers": [unit_grads],
-         "max_norm": [0.5 * norm]},
-        {"case": "odd model's units, below max_norm", "groups": [[0, 1, 2, 3]], "buffers": [unit_grads],
-         "max_norm": [2.0 * norm]},
-        {"case": "buffers of 3, 13 and 1", "groups": [[0, 1, 2, 3]], "buffers": [tiny],
-         "max_norm": [clipped_at(0.25, tiny)]},
-        {"case": "two groups of 2", "groups": [[0, 1], [2, 3]], "buffers": pairs,
-         "max_norm": [clipped_at(0.5, buffers) for buffers in pairs]},
-    ]
+        model = _model("odd sizes")
+        batch = torch.cat([_tokens("odd sizes", 0, rank) for rank in range(WORLD)])
+        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+        units = [_flat([p.grad for p in params]) for _, _, params in unit_params(model)]
+    tiny, pairs = _random_buffers([3, 13, 1], seed=1), [_random_buffers([7, 10, 5], seed=seed) for seed in (2, 3)]
+    norm = lambda buffers: torch.linalg.vector_norm(torch.cat(buffers)).item()   # noqa: E731
+    return [(units, 0.5 * norm(units)), (units, 2.0 * norm(units)), (tiny, 0.25 * norm(tiny)),
+            *[(buffers, 0.5 * norm(buffers)) for buffers in pairs]]
 
 
-def _torch_clip(buffers: list[torch.Tensor], max_norm: float) -> tuple[float, list[torch.Tensor]]:
-    """One process: torch.nn.utils.clip_grad_norm_ over parameters whose gradients are the buffers."""
+@functools.cache
+def _torch_clip(row: int) -> tuple[float, list[torch.Tensor]]:
+    """One process: torch.nn.utils.clip_grad_norm_ over parameters whose gradients are a row's buffers."""
+    buffers, max_norm = _clip_cases()[row]
     params = [nn.Parameter(torch.zeros_like(flat)) for flat in buffers]
     for p, flat in zip(params, buffers):
         p.grad = flat.clone()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return norm.item(), [p.grad for p in params]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm).item(), [p.grad for p in params]
+
+
+def _clip_on_rank(answers: list, cases: list, data: list) -> list:
+    rank, groups, out = dist.get_rank(), {}, []
+    for case in cases:          # every rank makes every group, in the same order
+        members = tuple(case["ranks"])
+        if members not in groups:
+            groups[members] = dist.group.WORLD if len(members) == WORLD else dist.new_group(list(members))
+    for clip in answers:
+        out.append([])
+        for case, (buffers, max_norm) in zip(cases, data):
+            members, got = case["ranks"], {"refused": "", "collectives": None, "norm": None, "grads": None}
+            if rank in members:   # the other ranks sit this row out: their group has its own row
+                world, place, shards = len(members), members.index(rank), []
+                for flat in buffers:
+                    k = -(-flat.numel() // world)
+                    padded = torch.full((world * k,), JUNK)
+                    padded[:flat.numel()] = flat
+                    shards.append(nn.Parameter(torch.zeros(k)))                # (k,): this rank's parameter shard
+                    shards[-1].grad = padded[place * k:(place + 1) * k].clone()  # its gradient, padding and all
+                try:
+                    with recorded_collectives() as calls:
+                        norm = clip(shards, [flat.numel() for flat in buffers], max_norm, groups[tuple(members)])
+                    got.update(norm=_as_number(norm), grads=[s.grad if s.grad is None else s.grad.detach().clone()
+                                                             for s in shards],
+                               collectives=_counted(f"{c.op}{f' ({c.reduce})' if c.reduce else ''} of {c.numel} number"
+                                                  f"{'s' * (c.numel != 1)} over {c.ranks} ranks" for c in calls))
+                except WrongCollectiveUse as e:
+                    got["refused"] = str(e)
+            out[-1].append(got)
+    return out
+
+
+def _as_number(value):
+    """A returned norm as a float64 tensor (from a Python number or a one-element tensor), else a description."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return torch.tensor(float(value.detach()), dtype=torch.float64)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float64)
+    return f"{type(value).__name__}: {value!r}"[:60]
+
+
+def _clipped(got: dict, case: dict) -> dict:
+    """The group's ranks only; their gradients put together, without the padding."""
+    members, (buffers, _) = case["ranks"], _clip_cases()[case["_row"]]
+    got = {key: [values[rank] for rank in members] for key, values in got.items()}
+    if got["grads"][0] is not None:
+        pieces = list(zip(*got["grads"]))
+        got["grads"] = [torch.cat(piece)[:flat.numel()] if all(g is not None and g.shape == (-(-flat.numel() //
+                        len(members)),) for g in piece) else "shard.grad None or of another shape: scale it in place, "
+                        "shard.grad.mul_(coefficient)" for piece, flat in zip(pieces, buffers)]
+    return got | {"same": len({n.item() if isinstance(n, torch.Tensor) else n for n in got["norm"]}) == 1}
+
+
+def _expect_clip(case: dict, observed: dict) -> dict:
+    buffers, world = _clip_cases()[case["_row"]][0], len(case["ranks"])
+    norm, grads = _torch_clip(case["_row"])
+    total = sum(flat.numel() for flat in buffers)
+    return {"refused": [""] * world, "collectives": [[f"all_reduce (sum) of 1 number over {world} ranks"]] * world,
+            "same": True, "norm": [_roundings(torch.tensor(norm, dtype=torch.float64), total)] * world,
+            "grads": [_roundings(grad, total) for grad in grads]}
+
+
+def _real(shard, numel, rank):
+    k = shard.numel()
+    return shard.grad[:max(0, min(k, numel - rank * k))]
+
+
+def _squares(shards, numels, rank):
+    return sum(_real(shard, numel, rank).pow(2).sum() for shard, numel in zip(shards, numels))
+
+
+def _clip_with(shards, norm, max_norm, clamp=True):
+    coefficient = max_norm / (norm + CLIP_EPS)
+    for shard in shards:
+        shard.grad.mul_(min(1.0, coefficient) if clamp else coefficient)
+    return norm
+
+
+def _norm(shards, numels, group):
+    total = _squares(shards, numels, dist.get_rank(group))
+    dist.all_reduce(total, group=group)
+    return total.sqrt().item()
+
+
+def clip_gathers(shards, numels, max_norm, group):
+    world, total = dist.get_world_size(group), 0.0
+    for s, n in zip(shards, numels):
+        full = torch.empty(world * s.numel())
+        dist.all_gather_into_tensor(full, s.grad, group=group)  # the whole gradient, to every rank
+        total += full[:n].pow(2).sum().item()
+    return _clip_with(shards, total ** 0.5, max_norm)
+
+
+def clip_local_norm(shards, numels, max_norm, group):
+    return _clip_with(shards, _squares(shards, numels, dist.get_rank(group)).sqrt().item(), max_norm)  # this rank's
+
+
+def clip_per_buffer(shards, numels, max_norm, group):
+    rank, total = dist.get_rank(group), 0.0
+    for s, n in zip(shards, numels):
+        squares = _real(s, n, rank).pow(2).sum()
+        dist.all_reduce(squares, group=group)                    # one all-reduce per buffer
+        total += squares.item()
+    return _clip_with(shards, total ** 0.5, max_norm)
+
+
+def clip_reduces_two_numbers(shards, numels, max_norm, group):
+    both = torch.stack([_squares(shards, numels, dist.get_rank(group)), torch.zeros(())])   # two numbers
+    dist.all_reduce(both, group=group)
+    return _clip_with(shards, both[0].sqrt().item(), max_norm)
+
+
+def clip_averages(shards, numels, max_norm, group):
+    total = _squares(shards, numels, dist.get_rank(group))
+    dist.all_reduce(total, op=AVG, group=group)
+    return _clip_with(shards, total.sqrt().item(), max_norm)
+
+
+def clip_whole_world(shards, numels, max_norm, group):
+    total = _squares(shards, numels, dist.get_rank(group))
+    dist.all_reduce(total)                                       # forgot group=: every rank of the world
+    return _clip_with(shards, total.sqrt().item(), max_norm)
+
+
+def clip_sums_norms(shards, numels, max_norm, group):
+    local = _squares(shards, numels, dist.get_rank(group)).sqrt()
+    dist.all_reduce(local, group=group)                          # sum of the ranks' norms
+    return _clip_with(shards, local.item(), max_norm)
+
+
+def clip_counts_padding(shards, numels, max_norm, group):
+    total = sum(shard.grad.pow(2).sum() for shard in shards)   # the padding's junk too
+    dist.all_reduce(total, group=group)
+    return _clip_with(shards, total.sqrt().item(), max_norm)
+
+
+def clip_returns_square(shards, numels, max_norm, group):
+    norm = _norm(shards, numels, group)
+    _clip_with(shards, norm, max_norm)
+    return norm ** 2
+
+
+def clip_global_rank(shards, numels, max_norm, group):
+    total = _squares(shards, numels, dist.get_rank())            # the rank in the world, not in the group
+    dist.all_reduce(total, group=group)
+    return _clip_with(shards, total.sqrt().item(), max_norm)
+
+
+def clip_forgets_to_scale(shards, numels, max_norm, group):
+    norm = _norm(shards, numels, group)
+    [shard.grad * min(1.0, max_norm / (norm + CLIP_EPS)) for shard in shards]   # computed, never stored
+    return norm
+
+
+def clip_never_clamps(shards, numels, max_norm, group):
+    return _clip_with(shards, _norm(shards, numels, group), max_norm, clamp=False)
+
+
+CLIP = Check(
+    "clip_grad_norm_sharded", observe=_on_ranks(_clip_on_rank, _clipped, data=_clip_cases), expect=_expect_clip,
+    note=(f"{WORLD} ranks; each rank's shards of flat gradient buffers, their padding filled with {JUNK:g}; "
+          "expected: torch.nn.utils.clip_grad_norm_ on the unpadded buffers, in one process"),
+    cases=[dict(case=case, ranks=ranks, _row=row) for row, (case, ranks) in enumerate([
+        ("odd model's units, clipped", [0, 1, 2, 3]), ("odd model's units, below max_norm", [0, 1, 2, 3]),
+        ("buffers of 3, 13 and 1", [0, 1, 2, 3]), ("two groups of 2", [0, 1]), ("two groups of 2", [2, 3])])],
+    columns=lambda case, got: {"numels": str([flat.numel() for flat in _clip_cases()[case["_row"]][0]]),
+                               "max_norm": _clip_cases()[case["_row"]][1], "norm": _torch_clip(case["_row"])[0],
+                               "rank's norm": _rank0(got, "norm", lambda n: n.item() if hasattr(n, "item") else n),
+                               "collectives": _rank0(got, "collectives", _calls)},
+    quantities={
+        "refused": Refused("stopped before a collective that would crash or hang", axes=("rank {} of the group",)),
+        "collectives": Exact("the collectives of each rank of the group: one all-reduce (sum) of one number, this "
+                             "rank's sum of the squares of its shards' real elements, over `group`",
+                             axes=("rank {} of the group",)),
+        "same": Exact("every rank of the group returned the same norm"),
+        "norm": Roundings("the norm each rank returned (a float or a 0-d tensor), against torch's: the global norm of "
+                          "the unpadded gradients", dtype=torch.float32, axes=("rank {} of the group",)),
+        "grads": Roundings("the gradients after the call (the group's shards put together, without the padding), "
+                           "against torch's: every shard.grad scaled in place by min(1, max_norm / (norm + 1e-6))",
+                           axes=("buffer {}",))},
+    misconceptions=[
+        Misconception(clip_gathers, "the norm needs one number from each rank, the sum of the squares of its shards' "
+                                    "real elements; gathering gradients moves the whole buffer to compute it"),
+        Misconception(clip_local_norm, "each rank holds only its shards, so its sum of squares is a part of the "
+                                       "total: all-reduce (sum) it over `group`, then take the square root"),
+        Misconception(clip_per_buffer, "make one all-reduce, for every buffer at once: add up the squares of all the "
+                                       "shards first. An all-reduce of one number costs a latency, and it is paid "
+                                       "once"),
+        Misconception(clip_reduces_two_numbers, "one number is enough: all-reduce this rank's sum of squares over all "
+                                                "its shards, a tensor of one element"),
+        Misconception(clip_averages, "the all-reduce used op=AVG: the squares of the ranks' shards add up "
+                                     "(ReduceOp.SUM)"),
+        Misconception(clip_whole_world, "all-reduce over `group` only (group=group): without it the all-reduce adds "
+                                        "up every rank of the world"),
+        Misconception(clip_sums_norms, "the norm is the sum of the ranks' norms: all-reduce the sum of squares, then "
+                                       "take the root (||g||^2 adds up over the shards, ||g|| does not)"),
+        Misconception(clip_counts_padding, f"the norm counts the padding ({JUNK:g} in every padding element here; "
+                                           "torch.empty leaves anything there): sum the squares of each shard's real "
+                                           "elements only"),
+        Misconception(clip_returns_square, "the norm returned is the sum of squares: return its square root"),
+        Misconception(clip_global_rank, "use this rank's place in `group` (dist.get_rank(group), "
+                                        "dist.get_world_size(group)), not its rank in the world"),
+        Misconception(clip_forgets_to_scale, "the gradients were not scaled: when the norm is above max_norm, every "
+                                             "shard.grad must be multiplied, in place, by max_norm / (norm + 1e-6)"),
+        Misconception(clip_never_clamps, "below max_norm the gradients must stay as they are: the coefficient is "
+                                         "min(1, max_norm / (norm + 1e-6)), clipping never scales gradients up")])
 
 
 def check_clip_grad_norm(clip_grad_norm_sharded: Callable) -> None:
@@ -787,150 +1176,7 @@ def check_clip_grad_norm(clip_grad_norm_sharded: Callable) -> None:
     of 2): every rank returns the global norm of the unpadded gradients, scales its shards' gradients
     in place by min(1, max_norm / (norm + 1e-6)), and makes one all-reduce (sum) of a single number;
     against torch.nn.utils.clip_grad_norm_ in one process. The padding holds junk (100.0)."""
-    note = (f"{WORLD} ranks; each rank's shards of flat gradient buffers, their padding filled with {JUNK:g}; "
-            "expected: torch.nn.utils.clip_grad_norm_ on the unpadded buffers, in one process")
-    with Report("clip_grad_norm_sharded", note=note) as report:
-        cases = _clip_cases()
-        results = on_ranks(_clip_on_rank, WORLD, clip_grad_norm_sharded, cases)
-        for c, case in enumerate(cases):
-            per_rank = [rank[c] for rank in results]
-            for g, (members, buffers, max_norm) in enumerate(zip(case["groups"], case["buffers"], case["max_norm"])):
-                want_norm, want_grads = _torch_clip(buffers, max_norm)
-                got = [per_rank[r] for r in members]
-                detail, err = _clip_problem(got, buffers, max_norm, want_norm, want_grads, len(case["groups"]) > 1)
-                calls = got[0].get("calls", [])
-                report.add(not detail, detail, case=case["case"], ranks=str(members),
-                           numels=str([b.numel() for b in buffers]), max_norm=max_norm, norm=want_norm,
-                           **{"rank's norm": got[0].get("norm", "-"), "collectives": len(calls),
-                              "sent (B)": sum(nbytes for _, nbytes, *_ in calls)}, max_err=err)
-
-
-def _clip_on_rank(clip: Callable, cases: list) -> list:
-    rank, out, groups = dist.get_rank(), [], {}
-    for case in cases:
-        for members in case["groups"]:          # every rank makes every group, in the same order
-            if tuple(members) not in groups:
-                groups[tuple(members)] = (dist.group.WORLD if len(members) == dist.get_world_size()
-                                          else dist.new_group(members))
-    for case in cases:
-        g = next(i for i, members in enumerate(case["groups"]) if rank in members)
-        members, buffers = case["groups"][g], case["buffers"][g]
-        world, place = len(members), members.index(rank)
-        shards = []
-        for flat in buffers:
-            k = -(-flat.numel() // world)
-            padded = torch.full((world * k,), JUNK)
-            padded[:flat.numel()] = flat
-            shard = nn.Parameter(torch.zeros(k))                      # (k,): this rank's parameter shard
-            shard.grad = padded[place * k:(place + 1) * k].clone()    # its averaged gradient, padding and all
-            shards.append(shard)
-        try:
-            with recorded_collectives() as calls:
-                norm = clip(shards, [flat.numel() for flat in buffers], case["max_norm"][g], groups[tuple(members)])
-        except WrongCollectiveUse as e:
-            out.append({"error": str(e)})
-            continue
-        out.append({"norm": _as_number(norm), "grads": [None if s.grad is None else s.grad.detach().clone()
-                                                        for s in shards],
-                    "calls": [(call.op, call.nbytes, call.reduce, call.numel) for call in calls]})
-    return out
-
-
-def _as_number(value):
-    """A returned norm as a float (a Python number or a one-element tensor), else a description."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return f"{type(value).__name__}: {value!r}"[:60]
-
-
-def _clip_problem(got: list, buffers: list, max_norm: float, want_norm: float, want_grads: list,
-                  grouped: bool) -> tuple[str, float]:
-    if "error" in got[0]:
-        return got[0]["error"], math.nan
-    total = sum(b.numel() for b in buffers)
-    calls = got[0]["calls"]
-    problem = _clip_calls_problem(calls)
-    if problem:
-        return problem, math.nan
-    norms = [result["norm"] for result in got]
-    if any(isinstance(n, str) for n in norms):
-        return f"return the total norm of the gradients (a float or a 0-d tensor), not {norms[0]}", math.nan
-    result = tolerance.compare(norms[0], want_norm, n=total, dtype=torch.float32)
-    if not result or len(set(norms)) > 1:
-        return _wrong_norm(norms, buffers, want_norm, grouped) + f" ({result})", abs(norms[0] - want_norm)
-    err, worst = 0.0, None
-    for b, (flat, want) in enumerate(zip(buffers, want_grads)):
-        k = -(-flat.numel() // len(got))
-        pieces = [result["grads"][b] for result in got]
-        if any(piece is None or piece.shape != (k,) for piece in pieces):
-            return (f"buffer {b}: shard.grad is None or changed shape after the call: scale it in place "
-                    "(shard.grad.mul_(coefficient))"), math.nan
-        real = torch.cat(pieces)[:flat.numel()]
-        err = max(err, max_abs_error(real, want))
-        if worst is None and not tolerance.close_enough(real, want, n=total):
-            worst = (b, real, want, flat)
-    if worst is None:
-        return "", err
-    b, real, want, flat = worst
-    coefficient = min(1.0, max_norm / (want_norm + CLIP_EPS))
-    if torch.equal(real, flat) and coefficient < 1:
-        return (f"the gradients were not scaled: the norm {want_norm:.4g} is above max_norm {max_norm:.4g}, so every "
-                f"shard.grad must be multiplied, in place, by max_norm / (norm + 1e-6) = {coefficient:.4g}"), err
-    if coefficient == 1 and tolerance.close_enough(real, flat * max_norm / (want_norm + CLIP_EPS), n=total):
-        return (f"the norm {want_norm:.4g} is below max_norm {max_norm:.4g}: the gradients must stay as they are. "
-                "The coefficient is min(1, max_norm / (norm + 1e-6)): clipping never scales gradients up"), err
-    return f"buffer {b}: the clipped gradients differ from torch's: {mismatch(real, want)}", err
-
-
-def _clip_calls_problem(calls: list) -> str:
-    gathers = [op for op, *_ in calls if op != "all_reduce"]
-    if gathers:
-        return (f"{', '.join(sorted(set(gathers)))} called: the norm needs one number from each rank, the sum of the "
-                "squares of its shards' real elements; gathering gradients moves the whole buffer to compute it")
-    if not calls:
-        return ("no collective: each rank holds only its shards, so its sum of squares is a part of the total. "
-                "All-reduce (sum) it over `group`, then take the square root")
-    if len(calls) > 1:
-        return (f"{len(calls)} all-reduces: make one, for every buffer at once. Add up the squares of all the "
-                "shards first: an all-reduce of one number costs a latency, and it is paid once")
-    _, nbytes, reduce, numel = calls[0]
-    if numel != 1:
-        return (f"the all-reduce carried {numel} numbers ({nbytes} bytes): one number is enough, this rank's sum of "
-                "squares over all its shards (a tensor of one element)")
-    if reduce != "sum":
-        return f"the all-reduce used op={reduce.upper()}: the squares of the ranks' shards add up (ReduceOp.SUM)"
-    return ""
-
-
-def _wrong_norm(norms: list, buffers: list, want: float, grouped: bool) -> str:
-    """Why the norm is wrong, when it matches a plausible mistake."""
-    world = len(norms)
-    if len(set(norms)) > 1:
-        return f"the ranks of one group returned different norms, {norms}: every rank must return the same global norm"
-    got = norms[0]
-    squares = [sum((_padded_shard(flat, world, r) ** 2).sum().item() for flat in buffers) for r in range(world)]
-    real = [sum((_padded_shard(flat, world, r, junk=0.0) ** 2).sum().item() for flat in buffers) for r in range(world)]
-    near = lambda x: abs(got - x) <= 1e-4 * max(abs(x), 1e-12)
-    if near(math.sqrt(sum(squares))):
-        return (f"the norm {got:.6g} counts the padding ({JUNK:g} in every padding element here; torch.empty leaves "
-                f"anything there): sum the squares of each shard's real elements only; expected {want:.6g}")
-    if near(sum(real)):
-        return f"the norm {got:.6g} is the sum of squares: return its square root, {want:.6g}"
-    if near(sum(math.sqrt(x) for x in real)):
-        return (f"the norm {got:.6g} is the sum of the ranks' norms: all-reduce the sum of squares, then take the "
-                f"root (||g||^2 adds up over the shards, ||g|| does not); expected {want:.6g}")
-    hint = (" In the groups of 2, use this rank's place in `group` (dist.get_rank(group), "
-            "dist.get_world_size(group)) and all-reduce over `group` only." if grouped else "")
-    return f"the norm is {got:.6g}, expected {want:.6g}.{hint}"
-
-
-def _padded_shard(flat: torch.Tensor, world: int, rank: int, junk: float = JUNK) -> torch.Tensor:
-    k = -(-flat.numel() // world)
-    padded = torch.full((world * k,), junk)
-    padded[:flat.numel()] = flat
-    return padded[rank * k:(rank + 1) * k]
+    CLIP(clip_grad_norm_sharded)
 
 
 # ---- 6. stretch: ZeRO-3 with prefetch -------------------------------------------------------------
@@ -1092,176 +1338,75 @@ class _Timeline(_Guard):
         return _Handle(result, functools.partial(self._waited, u, result))
 
 
-def check_zero3_prefetch(Zero3Unit: type, Zero3Prefetch: type) -> None:
-    """4 AdamW steps on 4 ranks, the last over 2 micro-batches, with the units of prefetch_units (the outer
-    one, then each layer's attention and MLP) built from your Zero3Unit with its hook_forward switched off,
-    and Zero3Prefetch(units) wiring them. Every forward and every backward, from the order of events (never
-    their times): each unit all-gathered exactly once; every all-gather but the first of the pass launched
-    with async_op=True before the unit ahead of it starts computing, and its handle waited after that unit
-    computed and before its own unit computes; backward in the reverse order of the forwards' ends; besides
-    the outer unit at most 2 units holding full parameters at any moment, none when a pass returns. Logits,
-    losses, gradient shards and weights equal one process's."""
-    not_the_course_answer("check_zero3_prefetch", Zero3Unit, course=PACKAGE)
-    not_the_course_answer("check_zero3_prefetch", Zero3Prefetch, course=PACKAGE)
-    note = (f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps, the last over {ACCUMULATE} micro-batches; units: the outer "
-            "one (embedding = LM head, norms), then each layer's attention and MLP. 'async' counts the all-gathers "
-            "launched with async_op=True per forward and backward; 'most held' the units, besides the outer one, "
-            f"holding full parameters at once (at most {AHEAD})")
-    with Report("Zero3Prefetch", note=note) as report:
-        try:
-            results = on_ranks(_prefetch_on_rank, WORLD, Zero3Unit, Zero3Prefetch, list(ZERO_MODELS))
-        except TimeoutError as e:
-            raise AssertionError(
-                f"Zero3Prefetch did not finish on every rank within {settings.check_timeout:g} s: a rank waited "
-                "for a collective the others never made (a deadlock). Every rank must launch the same all-gathers "
-                "and reduce-scatters in the same order, each unit's of its own size (the units differ in size "
-                f"here). {str(e).splitlines()[0]}") from None
-        for i, name in enumerate(ZERO_MODELS):
-            per_rank = [rank[i] for rank in results]
-            ref = _reference(name, ZERO3_STEPS, prefetch_units)
-            with one_thread(), torch.no_grad():
-                model = _model(name)
-                layout = prefetch_units(model)
-                expected = [model(_tokens(name, 0, rank)[:, :-1]) for rank in range(WORLD)]
-            names, sizes = [label for label, _, _ in layout], [sum(p.numel() for p in ps) for _, _, ps in layout]
-            detail, errors = _prefetch_check_problem(per_rank, ref, sizes, names, expected)
-            passes = per_rank[0].get("passes", [])
-            report.add(not detail, detail, model=name, units=len(sizes), sizes=str(sizes),
-                       **{"async": str(sorted({sum(event == "launch" for event, _ in p["events"]) for p in passes})),
-                          "most held": max((p["peak"][0] for p in passes), default="-")},
-                       max_logit_err=errors[0], max_grad_err=errors[1], max_weight_err=errors[2])
+# The rules of the stretch, each read from the events of every pass: what breaking it means, in words.
+RULES = {
+    "foreign": "all-gathers into a tensor that is no unit's `full`: gather each unit's shards straight into "
+               "unit.full (the module's parameters are views of it)",
+    "at once": f"moments when more than {AHEAD} units besides the outer one held their full parameters: at most "
+               f"{AHEAD} may, the one computing and the next, whose all-gather is in flight. Free each unit right "
+               "after its forward; launch only the next unit's all-gather, one ahead",
+    "left held": "units still holding full parameters when a forward or a backward returned: free each unit right "
+                 "after its forward, and after its backward",
+    "unwaited": "all-gathers still in flight, never waited, when a pass returned: launch only the all-gathers this "
+                "pass uses, and wait on each handle",
+    "gathers": "units not all-gathered exactly once in a pass: gather each unit exactly once per forward and per "
+               "backward (a prefetched unit is already on its way: wait on its handle instead of gathering it again). "
+               "Backward meets the units in the reverse order of their forwards' ends",
+    "sync": "all-gathers called without async_op=True (every one but the first of a pass): such a call returns only "
+            "once every shard has arrived, so nothing computes while it travels. Launch it with async_op=True and "
+            "keep its handle, in backward as in forward",
+    "late": "all-gathers launched after the unit ahead of theirs began computing: they cannot travel while it "
+            "computes. Launch the next unit's from the forward pre-hook of the unit ahead, before it computes; in "
+            "backward when the unit ahead's backward starts (the hook on its output's gradient)",
+    "early": "handles waited before the unit ahead of theirs had computed: waiting so early makes the gather "
+             "synchronous again, nothing computes while it travels. Wait on a unit's handle just before it computes",
+}
 
 
-def _prefetch_on_rank(Zero3Unit: type, Zero3Prefetch: type, names: list) -> list:
-    rank, out = dist.get_rank(), []
-    # The learner's unit with its own hooks off: Zero3Prefetch wires every unit.
-    Unit = type(Zero3Unit.__name__, (Zero3Unit,), {"hook_forward": lambda self: None})
-    for name in names:
-        model, at = _model(name), {"where": "building the units", "phase": ""}
-        try:
-            layout = prefetch_units(model)
-            units = [Unit(module, params, dist.group.WORLD) for _, module, params in layout]
-            prefetch = Zero3Prefetch(units)
-            not_the_course_answer("check_zero3_prefetch", prefetch, course=PACKAGE)
-            timeline = _Timeline([label for label, _, _ in layout], units)
-            timeline.watch_all([module for _, module, _ in layout])
-
-            def one_pass(part, micro, where):
-                with recorded_collectives(timeline.observe) as calls, timeline.reads(), timeline.guard_frees():
-                    at.update(where=where, phase="forward")
-                    timeline.begin("forward", where)
-                    output = model(part[:, :-1])
-                    timeline.finish()
-                    loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
-                    at["phase"] = "backward"
-                    timeline.begin("backward", where)
-                    loss.backward()
-                    timeline.finish()
-                return loss, output, calls
-
-            out.append({**_train_units(name, rank, units, one_pass), "passes": timeline.passes})
-        except WrongCollectiveUse as e:
-            out.append({"error": f"{at['where']}{', ' + at['phase'] if at['phase'] else ''}: {e}"})
-    return out
-
-
-def _prefetch_check_problem(per_rank: list, ref: dict, sizes: list, names: list,
-                            expected: list) -> tuple[str, tuple[float, float, float]]:
-    if "error" in per_rank[0]:
-        return per_rank[0]["error"], (math.nan,) * 3
-    logit_err = max(max_abs_error(got["logits"], want) for got, want in zip(per_rank, expected))
-    problem = _prefetch_problem(per_rank[0]["passes"], names)
-    detail, (grad_err, _, weight_err) = _zero3_train_problem(per_rank, ref, sizes)
-    errors = (logit_err, grad_err, weight_err)
-    if problem:
-        return problem, errors
-    for rank, (result, want) in enumerate(zip(per_rank, expected)):
-        if not close_enough(result["logits"], want, n=ROUNDINGS):
-            return (f"step 0: rank {rank}'s logits differ from one process's: {mismatch(result['logits'], want)}. "
-                    "Each unit must compute with every rank's shard gathered into unit.full"), errors
-    return detail, errors
-
-
-def _prefetch_problem(passes: list[dict], names: list[str]) -> str:
-    """The first rule of the stretch that a pass breaks, read from its events; '' when none does."""
-    ends: list[int] = []
+def _broken(passes: list[dict], names: list[str]) -> dict[str, list[str]]:
+    """Per rule, the passes that broke it, each as 'step 0, forward: what broke it'."""
+    found: dict[str, list[str]] = {rule: [] for rule in RULES}
     for record in passes:
         if record["phase"] == "forward":
             order = list(range(len(names)))
             ends = [u for event, u in record["events"] if event == "end"]
         else:
             order = ends[::-1]    # backward meets the units in the reverse order of their forwards' ends
-        problem = _pass_problem(record, order, names)
-        if problem:
-            return f"{record['where']}, {record['phase']}: {problem}"
-    return ""
+        for rule, what in _pass_rules(record, order, names).items():
+            if what:
+                found[rule].append(f"{record['where']}, {record['phase']}: {'; '.join(what)}")
+    return found
 
 
-def _pass_problem(record: dict, order: list[int], names: list[str]) -> str:
-    events, phase = record["events"], record["phase"]
-    backward = phase == "backward"
+def _pass_rules(record: dict, order: list[int], names: list[str]) -> dict[str, list[str]]:
+    events, backward = record["events"], record["phase"] == "backward"
     use = "need" if backward else "start"          # the moment a unit computes with its parameters
-    computes = "backward began computing" if backward else "forward started"
 
-    def first(event: str, u: int) -> int | None:
+    def first(event: str, u: int | None) -> int | None:
         return next((i for i, (e, v) in enumerate(events) if e == event and v == u), None)
 
-    if any(event in ("gather", "launch") and u is None for event, u in events):
-        return ("an all-gather wrote into a tensor that is no unit's `full`: gather each unit's shards straight "
-                "into unit.full (the module's parameters are views of it)")
-    for u in order:
-        count = sum(event in ("gather", "launch") and v == u for event, v in events)
-        if count != 1:
-            return (f"{names[u]} was all-gathered {count} times: gather each unit exactly once per {phase}. "
-                    + ("A unit whose all-gather was prefetched is already on its way: wait on its handle instead of "
-                       "gathering it again" if count else f"{names[u]} computes with its parameters: gather it")
-                    + (f". {_backward_order(order, names)}" if backward else ""))
-    for u in order[1:]:
-        if first("gather", u) is not None:
-            return (f"{names[u]}'s all-gather was called without async_op=True: it returns only once every shard "
-                    f"has arrived, so nothing computes while it travels. Launch it with async_op=True and keep its "
-                    f"handle{'; in backward as in forward' if backward else ''}")
+    def gathers(u: int | None) -> int:
+        return sum(event in ("gather", "launch") and v == u for event, v in events)
+
+    count, held, at = record["peak"]
+    what = {"foreign": [f"{gathers(None)} all-gathers"] if gathers(None) else [],
+            "at once": [f"{count} ({', '.join(names[u] for u in held)}) when {_describe(events[at], names)}"]
+            if count > AHEAD else [],
+            "left held": [names[u] for u in record["held_after"]], "unwaited": [names[u] for u in record["unwaited"]],
+            "gathers": [f"{names[u]} {gathers(u)} times" for u in order if gathers(u) != 1],
+            "sync": [names[u] for u in order[1:] if first("gather", u) is not None], "late": [], "early": []}
     for before, u in zip(order, order[1:]):
-        mark = first(use, before)
-        if mark is not None and first("launch", u) > mark:
-            when = (f"when {names[before]}'s backward starts (the hook on its output's gradient). "
-                    f"{_backward_order(order, names)}" if backward else
-                    f"from {names[before]}'s forward pre-hook, before {names[before]} computes")
-            return (f"{names[u]}'s all-gather was launched after {names[before]}'s {computes}: it cannot travel "
-                    f"while {names[before]} computes. Launch it {when}")
-    # Each handle waited after the unit ahead computed (a unit computing before its wait was refused on the rank).
-    for before, u in zip(order, order[1:]):
+        mark, launched = first(use, before), first("launch", u)
+        if mark is not None and launched is not None and launched > mark:
+            what["late"].append(f"{names[u]}'s after {names[before]} began computing")
         waited, used = first("wait", u), first(use, u)
         if waited is None or used is None:
             continue
         marks = ([first("need", before)] if backward else
                  [i for i, (event, _) in enumerate(events[:used]) if event in ("start", "end")][-1:])
         if marks and marks[0] is not None and waited < marks[0]:
-            return (f"{names[u]}'s all-gather was waited before {_describe(events[marks[0]], names)}: waiting so "
-                    "early makes the gather synchronous again, nothing computes while it travels. Wait on its "
-                    f"handle just before {names[u]} computes")
-    count, held, at = record["peak"]
-    if count > AHEAD:
-        ended = [names[u] for u in held if not backward and first("end", u) is not None and first("end", u) < at]
-        ahead = [names[u] for u in held if names[u] not in ended]
-        why = (f" The forward of {', '.join(ended)} had ended: free each unit's parameters right after its forward"
-               if ended else f" {', '.join(ahead)} were gathered ahead at once: launch only the next unit's all-gather,"
-               " one ahead, when a unit is about to compute")
-        return (f"{count} units besides the outer one held their full parameters at once "
-                f"({', '.join(names[u] for u in held)}), when {_describe(record['events'][at], names)}: at most "
-                f"{AHEAD} may, the one computing and the next, whose all-gather is in flight.{why}")
-    if record["unwaited"]:
-        return (f"the {phase} returned while the all-gather of {', '.join(names[u] for u in record['unwaited'])} was "
-                "in flight, never waited: launch only the all-gathers this pass uses, and wait on each handle")
-    if record["held_after"]:
-        return (f"when the {phase} returned, {', '.join(names[u] for u in record['held_after'])} still held full "
-                f"parameters: free each unit right after its {phase}")
-    return ""
-
-
-def _backward_order(order: list[int], names: list[str]) -> str:
-    return ("Backward meets the units in the reverse order of their forwards' ends: "
-            + ", ".join(names[u] for u in order))
+            what["early"].append(f"{names[u]}'s before {_describe(events[marks[0]], names)}")
+    return what
 
 
 def _describe(event: tuple, names: list[str]) -> str:
@@ -1272,6 +1417,257 @@ def _describe(event: tuple, names: list[str]) -> str:
              "need": f"{name}'s backward read its weights", "launch": f"{name}'s all-gather was launched",
              "gather": f"{name} was all-gathered", "wait": f"{name}'s handle was waited"}
     return words.get(what, f"a {what} was called")
+
+
+def _prefetch_case(answer: tuple, case: dict, at: dict) -> dict:
+    Zero3Unit, Zero3Prefetch = answer
+    # The learner's unit with its own hooks off: Zero3Prefetch wires every unit.
+    Unit = type(Zero3Unit.__name__, (Zero3Unit,), {"hook_forward": lambda self: None})
+    model = _model(case["model"])
+    layout = prefetch_units(model)
+    units = [Unit(module, params, dist.group.WORLD) for _, module, params in layout]
+    PREFETCH.refuse(answer, Zero3Prefetch(units))
+    names = [label for label, _, _ in layout]
+    timeline = _Timeline(names, units)
+    timeline.watch_all([module for _, module, _ in layout])
+    got = _train_units(case["model"], units, _one_pass(model, at, timeline))
+    return got | _broken(timeline.passes, names) | {
+        "async": [sum(event == "launch" for event, _ in p["events"]) for p in timeline.passes],
+        "most held": max(p["peak"][0] for p in timeline.passes)}
+
+
+def _start_gather(unit):
+    unit.full.untyped_storage().resize_(unit.full.numel() * 4)
+    return dist.all_gather_into_tensor(unit.full, unit.shard.detach(), group=unit.group, async_op=True)
+
+
+class _Prefetch:
+    """The correct Zero3Prefetch the misconceptions below change (refused as an answer): the next unit's
+    all-gather launched (async) when a unit is about to compute, its handle waited just before that unit
+    computes; backward in the reverse order of the forwards' ends."""
+
+    def __init__(self, units):
+        self.units, self.handles, self.ended = units, {}, []
+        for i, unit in enumerate(units):
+            unit.module.register_forward_pre_hook(lambda module, args, i=i: self.before_forward(i))
+            unit.module.register_forward_hook(lambda module, args, output, i=i: self.after_forward(i, output))
+
+    def launch(self, unit):
+        if unit not in self.handles and not unit.full.untyped_storage().nbytes():
+            self.handles[unit] = _start_gather(unit)
+
+    def ready(self, unit):
+        self.launch(unit)
+        handle = self.handles.pop(unit, None)
+        if handle is not None:
+            handle.wait()
+
+    def before_forward(self, i):
+        if i == 0:
+            self.ended = []
+        self.ready(self.units[i])
+        self.ahead(i)
+
+    def ahead(self, i):
+        if i + 1 < len(self.units):
+            self.launch(self.units[i + 1])
+
+    def after_forward(self, i, output):
+        self.ended.append(i)
+        self.units[i].free()
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.before_backward(i))
+
+    def before_backward(self, i):
+        order = self.ended[::-1]
+        self.ready(self.units[i])
+        if order.index(i) + 1 < len(order):
+            self.launch(self.units[order[order.index(i) + 1]])
+
+
+class PrefetchStaging(_Prefetch):
+    """Gathers into a staging buffer of its own and copies it into unit.full once waited."""
+
+    def launch(self, unit):
+        if unit not in self.handles and not unit.full.untyped_storage().nbytes():
+            staging = torch.empty(unit.full.numel())
+            self.handles[unit] = (staging, dist.all_gather_into_tensor(staging, unit.shard.detach(), async_op=True))
+
+    def ready(self, unit):
+        self.launch(unit)
+        if unit in self.handles:
+            staging, handle = self.handles.pop(unit)
+            handle.wait()
+            unit.full.untyped_storage().resize_(unit.full.numel() * 4)
+            unit.full.copy_(staging)
+
+
+class PrefetchAllUpFront(_Prefetch):
+    def ahead(self, i):  # every unit's all-gather launched when the forward starts
+        for unit in self.units[1:] if i == 0 else []:
+            self.launch(unit)
+
+
+class PrefetchNeverFrees(_Prefetch):
+    def after_forward(self, i, output):
+        self.ended.append(i)
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.before_backward(i))
+
+
+class PrefetchBackwardInForwardOrder(_Prefetch):
+    def before_backward(self, i):  # "next" taken as in forward (units[i + 1])
+        self.ready(self.units[i])
+        self.ahead(i)
+
+
+class PrefetchKeepsOuter(_Prefetch):
+    def after_forward(self, i, output):  # the outer unit kept from the end of forward to its backward
+        if i:
+            return super().after_forward(i, output)
+        self.ended.append(i)
+        output.register_hook(lambda grad: self.before_backward(i))
+
+
+class PrefetchGathersTwice(_Prefetch):
+    def ready(self, unit):  # prefetched, then gathered again, synchronously, before it computes
+        super().ready(unit)
+        unit.gather()
+
+
+class PrefetchSync(_Prefetch):
+    """No prefetch: each unit gathers itself, synchronously, when it is about to compute (section 3 again)."""
+
+    def launch(self, unit):
+        if not unit.full.untyped_storage().nbytes():
+            unit.gather()
+
+    def ahead(self, i):
+        pass
+
+
+class PrefetchBackwardSync(_Prefetch):
+    def before_backward(self, i):  # prefetches in forward only
+        self.units[i].gather()
+
+
+class PrefetchLate(_Prefetch):
+    def ahead(self, i):  # asynchronous, but launched only when the unit itself is about to compute
+        pass
+
+
+class PrefetchBackwardLate(_Prefetch):
+    def before_backward(self, i):
+        self.ready(self.units[i])
+
+
+class PrefetchWaitsEarly(_Prefetch):
+    def launch(self, unit):  # waits on each handle right after launching it
+        super().launch(unit)
+        if unit in self.handles:
+            self.handles.pop(unit).wait()
+
+
+class PrefetchWrongHandle(_Prefetch):
+    def before_forward(self, i):  # one handle for all: the one waited is the next unit's
+        if i == 0:
+            self.ended, self.handle = [], _start_gather(self.units[0])
+        if i + 1 < len(self.units):
+            self.handle = _start_gather(self.units[i + 1])
+        self.handle.wait()
+
+
+class PrefetchNeverWaits(_Prefetch):
+    def ready(self, unit):  # launches every all-gather asynchronously and drops the handles
+        self.launch(unit)
+        self.handles.pop(unit, None)
+
+
+class PrefetchFreesInFlight(_Prefetch):
+    def after_forward(self, i, output):  # frees the next unit, its all-gather in flight (a free of the wrong unit)
+        super().after_forward(i, output)
+        if i + 1 < len(self.units) and self.units[i + 1] in self.handles:
+            self.units[i + 1].free()
+
+
+class PrefetchWrongShard(_Prefetch):
+    def ahead(self, i):  # the next unit's all-gather from this unit's shard: the units differ in size
+        if i + 1 < len(self.units):
+            nxt = self.units[i + 1]
+            nxt.full.untyped_storage().resize_(nxt.full.numel() * 4)
+            self.handles[nxt] = dist.all_gather_into_tensor(nxt.full, self.units[i].shard.detach(), async_op=True)
+
+
+def _with(Zero3Prefetch: type, Zero3Unit: type = _Unit) -> tuple:
+    return (Zero3Unit, Zero3Prefetch)
+
+
+PREFETCH = Check(
+    "Zero3Prefetch", expect=_expect_training(prefetch_units), course=COURSE, only=ONLY,
+    observe=_on_ranks(_prefetch_case, _trained, deadlock=(
+        "Zero3Prefetch did not finish on every rank within {timeout:g} s: a rank waited for a collective the others "
+        "never made (a deadlock). Every rank must launch the same all-gathers and reduce-scatters in the same order, "
+        "each unit's of its own size (the units differ in size here). ")),
+    note=(f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps, the last over {ACCUMULATE} micro-batches; units: the outer one "
+          "(embedding = LM head, norms), then each layer's attention and MLP. 'async' counts the all-gathers launched "
+          "with async_op=True per forward and backward; 'most held' the units, besides the outer one, holding full "
+          f"parameters at once (at most {AHEAD})"),
+    cases=[dict(model=name) for name in ZERO_MODELS],
+    columns=lambda case, got: {"units": len(_sizes(case["model"], prefetch_units)),
+                               "sizes": str(_sizes(case["model"], prefetch_units)),
+                               "async": _rank0(got, "async", lambda passes: str(sorted(set(passes)))),
+                               "most held": _rank0(got, "most held")},
+    quantities={"refused": Refused("stopped when it happened", axes=("rank {}",)),
+                **{rule: Exact(says, axes=("rank {}",)) for rule, says in RULES.items()}, **TRAINED},
+    misconceptions=[
+        Misconception(_with(PrefetchStaging), "gather each unit's shards straight into unit.full (the module's "
+                                              "parameters are views of it), not into a buffer of your own"),
+        Misconception(_with(PrefetchAllUpFront), "every unit was gathered ahead at once: launch only the next unit's "
+                                                 "all-gather, one ahead, when a unit is about to compute"),
+        Misconception(_with(PrefetchNeverFrees), "free each unit's parameters right after its forward: at most "
+                                                 f"{AHEAD} units besides the outer one may hold them at once"),
+        Misconception(_with(PrefetchBackwardInForwardOrder), "in backward, prefetch the unit whose backward comes "
+                                                             "next: backward meets the units in the reverse order of "
+                                                             "their forwards' ends (model, mlp 1, attn 1, mlp 0, "
+                                                             "attn 0 here), not units[i + 1]"),
+        Misconception(_with(PrefetchKeepsOuter), "free the outer unit too when its forward returns: it is gathered "
+                                                 "again for backward"),
+        Misconception(_with(PrefetchGathersTwice), "a prefetched unit's all-gather is already on its way: wait on its "
+                                                   "handle instead of gathering it again"),
+        Misconception(_with(PrefetchSync), "launch the next unit's all-gather with async_op=True when a unit is about "
+                                           "to compute, and keep its handle: a synchronous all-gather returns only "
+                                           "once every shard has arrived, so nothing computes while it travels"),
+        Misconception(_with(PrefetchBackwardSync), "prefetch in backward as in forward: when a unit's backward "
+                                                   "starts, launch the next unit's all-gather with async_op=True"),
+        Misconception(_with(PrefetchLate), "launch the next unit's all-gather from the forward pre-hook of the unit "
+                                           "ahead, before it computes, so that it travels meanwhile"),
+        Misconception(_with(PrefetchBackwardLate), "in backward, launch the next unit's all-gather when the unit "
+                                                   "ahead's backward starts (the hook on its output's gradient)"),
+        Misconception(_with(PrefetchWaitsEarly), "waiting right after the launch makes the gather synchronous again: "
+                                                 "wait on a unit's handle just before that unit computes"),
+        Misconception(_with(PrefetchWrongHandle), "keep one handle per unit (a dict keyed by unit): the handle waited "
+                                                  "was another unit's, so this unit's parameters may still be "
+                                                  "arriving"),
+        Misconception(_with(PrefetchNeverWaits), "wait on each unit's own handle just before it computes: its "
+                                                 "parameters may still be arriving"),
+        Misconception(_with(PrefetchFreesInFlight), "never free a unit whose all-gather is in flight: wait on its "
+                                                    "handle first (and free the unit that just computed)"),
+        Misconception(_with(PrefetchWrongShard), "all-gather each unit's own shard into its own full: the units "
+                                                 "differ in size, and a collective the ranks call with the wrong "
+                                                 "sizes crashes or hangs"),
+        Misconception(_with(_Prefetch, UnitSums), SUMS + " (your Zero3Unit's reduce_scatter_grads)")])
+
+
+def check_zero3_prefetch(Zero3Unit: type, Zero3Prefetch: type) -> None:
+    """4 AdamW steps on 4 ranks, the last over 2 micro-batches, with the units of prefetch_units (the outer
+    one, then each layer's attention and MLP) built from your Zero3Unit with its hook_forward switched off,
+    and Zero3Prefetch(units) wiring them. Every forward and every backward, from the order of events (never
+    their times): each unit all-gathered exactly once; every all-gather but the first of the pass launched
+    with async_op=True before the unit ahead of it starts computing, and its handle waited after that unit
+    computed and before its own unit computes; backward in the reverse order of the forwards' ends; besides
+    the outer unit at most 2 units holding full parameters at any moment, none when a pass returns. Logits,
+    losses, gradient shards and weights equal one process's."""
+    PREFETCH(((Zero3Unit, Zero3Prefetch)))
 
 
 # ---- predict, then run: ZeRO-1 that does not write the updated shards back ----------------------
@@ -1312,13 +1708,7 @@ class _DemoZero1:
         self.write_back, self.world, self.rank = write_back, dist.get_world_size(), dist.get_rank()
         params = list(model.parameters())
         self.size = -(-sum(p.numel() for p in params) // self.world)
-        self.flat_params = _flat(params, self.world * self.size)   # (padded,): p.data are views of it
-        self.flat_grads = torch.zeros_like(self.flat_params)        # (padded,): p.grad are views of it
-        offset = 0
-        for p in params:
-            p.data = self.flat_params[offset:offset + p.numel()].view_as(p)
-            p.grad = self.flat_grads[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        self.flat_params, self.flat_grads = _viewed(params, self.world * self.size, "data", "grad")  # (padded,)
         self.mine = slice(self.rank * self.size, (self.rank + 1) * self.size)
         self.param_shard = nn.Parameter(self.flat_params[self.mine].clone())
         self.optimizer = _AdamW([self.param_shard], lr)

@@ -16,10 +16,13 @@ observation of every case, prints one row a case, and raises AssertionError nami
         GRAD_BUCKET(GradBucket)
 
 A misconception is one record: a wrong implementation and the hint a learner who wrote it should read. When an
-answer fails, the engine runs the check's misconceptions on the same cases (one more run) and reports the hint of
-the first whose mistake the answer reproduces: it fails in the same cases, first at the same observation, with
-the same value there (what follows a first mistake, say a gradient an early all-reduce read, may vary by run). The same records are the tests of the check (tests/test_misconceptions.py): each must fail its
-check with its own hint, so two records that cannot be told apart, or a check that cannot see one, fail there.
+answer fails, the engine runs the check's misconceptions on the same cases (one more run, once per process: the
+records are fixed code) and reports the hint of the first whose mistake the answer reproduces: it fails in the
+same cases, first at the same observation, with the same value there (what follows a first mistake, say a
+gradient an early all-reduce read, may vary by run). An answer whose mistake no record makes gets the first
+difference without a hint. The same records are the tests of the check (tests/test_misconceptions.py): each must
+fail its check with its own hint, so two records that cannot be told apart, or a check that cannot see one, fail
+there.
 """
 
 from __future__ import annotations
@@ -153,7 +156,9 @@ class Misconception:
 
     @property
     def name(self) -> str:
-        return getattr(self.answer, "__name__", type(self.answer).__name__)
+        """The answer's name; for several answers taken together (a tuple), theirs joined by '+'."""
+        parts = self.answer if isinstance(self.answer, tuple) else (self.answer,)
+        return "+".join(getattr(part, "__name__", type(part).__name__) for part in parts)
 
 
 @dataclass
@@ -178,12 +183,15 @@ class Check:
 
     def __post_init__(self):
         CHECKS.append(self)
+        self._theirs: list | None = None   # the misconceptions' observations, made once per process
 
     def refuse(self, answer, *made) -> None:
-        """Refuse `answer`, and what it made (an instance, its parts), when it is the course's own code
-        (not_the_course_answer with `course` and `only`), unless it is one of this check's misconceptions."""
-        if self.course and all(answer is not m.answer for m in self.misconceptions):
-            not_the_course_answer(self.title, answer, *made, course=self.course, only=self.only)
+        """Refuse `answer` (each of a tuple of answers), and what it made (an instance, its parts), when it is the
+        course's own code (not_the_course_answer with `course` and `only`), unless it is one of this check's
+        misconceptions (known by ==: a tuple sent to the ranks arrives as a copy of the same classes)."""
+        if self.course and all(answer != m.answer for m in self.misconceptions):
+            answers = answer if isinstance(answer, tuple) else (answer,)
+            not_the_course_answer(self.title, *answers, *made, course=self.course, only=self.only)
 
     def __call__(self, answer) -> None:
         self.refuse(answer)
@@ -211,11 +219,12 @@ class Check:
         """The hint of the first misconception the answer reproduces, "" when none does."""
         if not self.misconceptions:
             return ""
-        try:
-            theirs = self.observe([m.answer for m in self.misconceptions], self.cases)
-        except Exception:   # noqa: BLE001  (a record that cannot run on this machine gives no hint)
-            return ""
-        for misconception, their in zip(self.misconceptions, theirs):
+        if self._theirs is None:   # the records are fixed code on fixed cases: one run per process
+            try:
+                self._theirs = self.observe([m.answer for m in self.misconceptions], self.cases)
+            except Exception:   # noqa: BLE001  (a record that cannot run on this machine gives no hint)
+                return ""
+        for misconception, their in zip(self.misconceptions, self._theirs):
             if all(self._same_mistake(mine, wrong, want, them)
                    for mine, wrong, want, them in zip(observed, differences, expected, their)):
                 return misconception.hint
@@ -233,9 +242,11 @@ class Check:
 # ---- observations made on ranks ----------------------------------------------------------------
 def by_rank(per_rank: list) -> list:
     """What each rank returned, [rank][answer][case] dicts, as [answer][case] dicts whose values are lists over
-    the ranks: the shape `observe` returns."""
-    return [[{key: [rank[a][c][key] for rank in per_rank] for key in per_rank[0][a][c]}
-             for c in range(len(per_rank[0][a]))] for a in range(len(per_rank[0]))]
+    the ranks: the shape `observe` returns. A rank that stopped before it observed something has None there."""
+    def merged(a: int, c: int) -> dict:
+        keys = dict.fromkeys(key for rank in per_rank for key in rank[a][c])
+        return {key: [rank[a][c].get(key) for rank in per_rank] for key in keys}
+    return [[merged(a, c) for c in range(len(per_rank[0][a]))] for a in range(len(per_rank[0]))]
 
 
 def _short(value, limit: int = 160) -> str:

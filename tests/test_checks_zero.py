@@ -1,18 +1,19 @@
-"""The checks of assignment 03 pass a correct answer and fail planted wrong ones.
+"""The checks of assignment 03 pass a correct answer and refuse the course's own.
 
 The correct answers are written here, not taken from the solution notebook (which runs under
 nbval on its own), so a check that passes everything, or nothing, is caught. Nothing here uses
-picotron.parallel.zero.
+picotron.parallel.zero. The wrong answers are the checks' misconceptions, each failing with its
+hint (tests/test_misconceptions.py).
 """
 
 import functools
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from picotron_course import checks_zero
 from picotron_course.checks_zero import (check_clip_grad_norm, check_shard_range, check_zero1, check_zero3_forward,
                                          check_zero3_prefetch, check_zero3_training, recorded_collectives,
                                          zero1_write_back_demo)
@@ -271,484 +272,63 @@ class RefPrefetchModuleHooks:
             self.handles[nxt] = all_gather(nxt.full, nxt.shard.detach(), nxt.group, async_op=True)
 
 
+check_prefetch = functools.partial(check_zero3_prefetch, RefUnit)   # the learner's unit here: the reference one
 CORRECT = [(check_shard_range, ref_shard_range), (check_shard_range, ref_shard_range_list), (check_zero1, RefZero1),
            (check_zero1, RefZero1FreesGrad), (check_zero3_forward, RefUnit), (check_zero3_training, RefUnit),
            (check_zero3_training, RefUnitWithComm), (check_zero3_training, RefUnitBackwardPreHook),
-           (check_clip_grad_norm, ref_clip), (check_clip_grad_norm, ref_clip_float64)]
+           (check_clip_grad_norm, ref_clip), (check_clip_grad_norm, ref_clip_float64),
+           (check_prefetch, RefPrefetch), (check_prefetch, RefPrefetchModuleHooks)]
 
 
 # The cases each check's table runs (picotron_course.checks.Report): its promise, asserted by every_case.
-CASES = {"shard_range": 8, "Zero1": 2, "Zero3Unit forward": 2, "Zero3Unit training": 2, "clip_grad_norm_sharded": 5}
+CASES = {"shard_range": 8, "Zero1": 2, "Zero3Unit forward": 2, "Zero3Unit training": 2, "clip_grad_norm_sharded": 5,
+         "Zero3Prefetch": 2}
 
 
 @pytest.mark.parametrize("check, answer", CORRECT, ids=["shard_range", "shard_range_list", "zero1", "zero1_frees_grad",
                                                         "zero3_forward", "zero3_training", "zero3_training_comm",
-                                                        "zero3_training_module_hook", "clip", "clip_float64"])
-def test_correct_answer_passes(check, answer, every_case):
+                                                        "zero3_training_module_hook", "clip", "clip_float64",
+                                                        "prefetch", "prefetch_module_hooks"])
+def test_correct_answer_passes(check, answer, every_case, capsys):
     check(answer)
     every_case(CASES)
+    if check is check_prefetch:
+        assert "most held" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("prefetch", [RefPrefetch, RefPrefetchModuleHooks], ids=lambda cls: cls.__name__)
-def test_correct_prefetch_passes(prefetch, capsys):
-    check_zero3_prefetch(RefUnit, prefetch)
-    out = capsys.readouterr().out
-    assert "FAIL" not in out and " ok" in out
-    assert "most held" in out
-
-
-# ---- planted wrong answers -------------------------------------------------------------------
-def sr_floor(numel, rank, world):
-    size = numel // world  # rounds down: the last numel % world elements belong to nobody
-    return rank * size, (rank + 1) * size
-
-
-def sr_uneven(numel, rank, world):
-    size, extra = divmod(numel, world)  # torch.tensor_split's cut: sizes differ by one
-    start = rank * size + min(rank, extra)
-    return start, start + size + (rank < extra)
-
-
-class Zero1Sums(RefZero1):
-    def reduce(self, flat):
-        shard = torch.empty_like(self.param_shard)
-        dist.reduce_scatter_tensor(shard, flat, group=self.group)  # sum, never divided
-        return shard
-
-
-class Zero1AllReduce(RefZero1):
-    def reduce(self, flat):
-        dist.all_reduce(flat, op=AVG, group=self.group)  # the whole mean everywhere, then a slice of it
-        rank, size = dist.get_rank(self.group), self.param_shard.numel()
-        return flat[rank * size:(rank + 1) * size].clone()
-
-
-class Zero1WholeModel(RefZero1):
-    """Plain data parallelism in ZeRO's clothes: every rank keeps AdamW state for every parameter."""
-
-    def __init__(self, model, group, lr):
-        super().__init__(model, group, lr)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-
-    def step(self):
-        dist.all_reduce(self.flat_grads, op=AVG, group=self.group)
-        self.optimizer.step()
-
-
-class Zero1NoAllGather(RefZero1):
-    def gather(self):  # the updated shard goes back into this rank's slice only
-        rank, size = dist.get_rank(self.group), self.param_shard.numel()
-        self.flat_params[rank * size:(rank + 1) * size] = self.param_shard.detach()
-
-
-class Zero1NoDetach(RefZero1):
-    def gather(self):  # param_shard requires grad: torch refuses to write it into flat_params' views
-        dist.all_gather_into_tensor(self.flat_params, self.param_shard, group=self.group)
-
-
-class Zero1Unpadded(RefZero1):
-    """Reduce-scatters the gradients of the parameters only, without the padding."""
-
-    def __init__(self, model, group, lr):
-        super().__init__(model, group, lr)
-        self.numel = sum(p.numel() for p in model.parameters())
-
-    def reduce(self, flat):
-        return super().reduce(flat[:self.numel])
-
-
-class UnitNeverFrees(RefUnit):
-    def free(self):
-        pass
-
-
-class UnitGathersIntoFreedMemory(RefUnit):
-    def gather(self):  # forgets to give the buffer its memory back
-        dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)
-
-
-class UnitNoForwardGather(RefUnit):
-    def hook_forward(self):
-        self.module.register_forward_hook(self.post_forward)
-
-
-class UnitNoBackwardGather(RefUnit):
-    def post_forward(self, module, args, output):
-        self.free()
-
-
-class UnitSums(RefUnit):
-    def reduce_grads(self):
-        shard = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(shard, self.flat_grad(), group=self.group)
-        self.shard.grad = shard
-        for p in self.params:
-            p.grad = None
-
-
-class UnitAllReduce(RefUnit):
-    def reduce_grads(self):
-        flat = self.flat_grad()
-        dist.all_reduce(flat, op=AVG, group=self.group)
-        rank, size = dist.get_rank(self.group), self.shard.numel()
-        self.shard.grad = flat[rank * size:(rank + 1) * size].clone()
-        for p in self.params:
-            p.grad = None
-
-
-class UnitKeepsFullGrads(RefUnit):
-    def reduce_grads(self):
-        shard = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(shard, self.flat_grad(), op=AVG, group=self.group)
-        self.shard.grad = shard  # the p.grad stay: a full gradient on every rank
-
-
-class UnitUnpadded(RefUnit):
-    def flat_grad(self):
-        return torch.cat([p.grad.reshape(-1) for p in self.params])
-
-
-class UnitOverwritesGrad(RefUnit):
-    def reduce_grads(self):
-        shard = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(shard, self.flat_grad(), op=AVG, group=self.group)
-        self.shard.grad = shard  # the micro-batch before is lost
-        for p in self.params:
-            p.grad = None
-
-
-# ---- planted wrong answers to the clip: plausible ways to get the global norm wrong ----------------
-def _clip_with(shards, norm, max_norm, clamp=True):
-    coefficient = max_norm / (norm + 1e-6)
-    if clamp:
-        coefficient = min(1.0, coefficient)
-    for shard in shards:
-        shard.grad.mul_(coefficient)
-    return norm
-
-
-def _real(shard, numel, rank):
-    k = shard.numel()
-    return shard.grad[:max(0, min(k, numel - rank * k))]
-
-
-def clip_counts_padding(shards, numels, max_norm, group):
-    total = sum(shard.grad.pow(2).sum() for shard in shards)   # the padding's junk too
-    dist.all_reduce(total, group=group)
-    return _clip_with(shards, total.sqrt().item(), max_norm)
-
-
-def clip_sums_norms(shards, numels, max_norm, group):
-    rank = dist.get_rank(group)
-    local = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels)).sqrt()
-    dist.all_reduce(local, group=group)                          # sum of the ranks' norms
-    return _clip_with(shards, local.item(), max_norm)
-
-
-def clip_local_norm(shards, numels, max_norm, group):
-    rank = dist.get_rank(group)
-    local = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels)).sqrt()
-    return _clip_with(shards, local.item(), max_norm)          # this rank's shards only
-
-
-def clip_per_buffer(shards, numels, max_norm, group):
-    rank, total = dist.get_rank(group), 0.0
-    for s, n in zip(shards, numels):
-        squares = _real(s, n, rank).pow(2).sum()
-        dist.all_reduce(squares, group=group)                    # one all-reduce per buffer
-        total += squares.item()
-    return _clip_with(shards, math.sqrt(total), max_norm)
-
-
-def clip_gathers(shards, numels, max_norm, group):
-    world, total = dist.get_world_size(group), 0.0
-    for s, n in zip(shards, numels):
-        full = torch.empty(world * s.numel())
-        dist.all_gather_into_tensor(full, s.grad, group=group)  # the whole gradient, to every rank
-        total += full[:n].pow(2).sum().item()
-    return _clip_with(shards, math.sqrt(total), max_norm)
-
-
-def clip_never_clamps(shards, numels, max_norm, group):
-    return _clip_with(shards, ref_norm(shards, numels, group), max_norm, clamp=False)
-
-
-def clip_returns_square(shards, numels, max_norm, group):
-    norm = ref_norm(shards, numels, group)
-    _clip_with(shards, norm, max_norm)
-    return norm ** 2
-
-
-def clip_global_rank(shards, numels, max_norm, group):
-    rank = dist.get_rank()                                       # the rank in the world, not in the group
-    total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
-    dist.all_reduce(total, group=group)
-    return _clip_with(shards, total.sqrt().item(), max_norm)
-
-
-def clip_whole_world(shards, numels, max_norm, group):
-    rank = dist.get_rank(group)
-    total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
-    dist.all_reduce(total)                                       # forgot group=: every rank of the world
-    return _clip_with(shards, total.sqrt().item(), max_norm)
-
-
-def clip_forgets_to_scale(shards, numels, max_norm, group):
-    norm = ref_norm(shards, numels, group)
-    [shard.grad * min(1.0, max_norm / (norm + 1e-6)) for shard in shards]   # computed, never stored
-    return norm
-
-
-def clip_averages(shards, numels, max_norm, group):
-    rank = dist.get_rank(group)
-    total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
-    dist.all_reduce(total, op=AVG, group=group)
-    return _clip_with(shards, total.sqrt().item(), max_norm)
-
-
-def clip_reduces_two_numbers(shards, numels, max_norm, group):
-    rank = dist.get_rank(group)
-    squares = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
-    both = torch.stack([squares, torch.zeros(())])             # 8 bytes in fp32, but two numbers
-    dist.all_reduce(both, group=group)
-    return _clip_with(shards, both[0].sqrt().item(), max_norm)
-
-
-def ref_norm(shards, numels, group):
-    rank = dist.get_rank(group)
-    total = sum(_real(s, n, rank).pow(2).sum() for s, n in zip(shards, numels))
-    dist.all_reduce(total, group=group)
-    return total.sqrt().item()
-
-
-# ---- planted wrong answers to the stretch: ZeRO-3 with prefetch, each breaking one rule of the task ---------
-class PrefetchSync(RefPrefetch):
-    """No prefetch: each unit gathers itself, synchronously, when it is about to compute (section 3 again)."""
-
-    def launch(self, unit):
-        if not unit.full.untyped_storage().nbytes():
-            unit.gather()
-
-    def before_forward(self, i):
-        if i == 0:
-            self.ended = []
-        self.ready(self.units[i])
-
-
-class PrefetchLate(RefPrefetch):
-    """Asynchronous, but each unit's all-gather launched only when the unit itself is about to compute."""
-
-    def before_forward(self, i):
-        if i == 0:
-            self.ended = []
-        self.ready(self.units[i])
-
-
-class PrefetchAllUpFront(RefPrefetch):
-    """Every unit's all-gather launched when the forward starts: nothing waits, but every unit is held at once."""
-
-    def before_forward(self, i):
-        if i == 0:
-            self.ended = []
-            for unit in self.units:
-                self.launch(unit)
-        self.ready(self.units[i])
-
-
-class PrefetchNeverFrees(RefPrefetch):
-    """Forgets free_params after each unit's forward."""
-
-    def after_forward(self, i, output):
-        self.ended.append(i)
-        if output.requires_grad:
-            output.register_hook(lambda grad: self.before_backward(i))
-
-
-class PrefetchWrongHandle(RefPrefetch):
-    """One handle for all: launching the next unit's all-gather overwrites the handle of this unit's, which is
-    never waited; the one waited is the next unit's."""
-
-    def before_forward(self, i):
-        if i == 0:
-            self.ended = []
-            self.handle = ref_start_gather(self.units[0])
-        if i + 1 < len(self.units):
-            self.handle = ref_start_gather(self.units[i + 1])
-        self.handle.wait()
-
-
-class PrefetchNeverWaits(RefPrefetch):
-    """Launches every all-gather asynchronously and drops the handles."""
-
-    def ready(self, unit):
-        self.launch(unit)
-        self.handles.pop(unit, None)
-
-
-class PrefetchWaitsEarly(RefPrefetch):
-    """Waits on each handle right after launching it: synchronous again."""
-
-    def launch(self, unit):
-        super().launch(unit)
-        if unit in self.handles:
-            self.handles.pop(unit).wait()
-
-
-class PrefetchGathersTwice(RefPrefetch):
-    """Prefetches, then gathers each unit again, synchronously, before it computes."""
-
-    def ready(self, unit):
-        super().ready(unit)
-        unit.gather()
-
-
-class PrefetchBackwardSync(RefPrefetch):
-    """Prefetches in forward only: backward gathers each unit, synchronously, when its backward starts."""
-
-    def before_backward(self, i):
-        self.units[i].gather()
-
-
-class PrefetchBackwardLate(RefPrefetch):
-    """Asynchronous in backward too, but each unit's all-gather launched only when its own backward starts."""
-
-    def before_backward(self, i):
-        self.ready(self.units[i])
-
-
-class PrefetchKeepsOuter(RefPrefetch):
-    """Keeps the outer unit gathered from the end of forward to its backward (it is needed again first)."""
-
-    def after_forward(self, i, output):
-        if i:
-            super().after_forward(i, output)
-            return
-        self.ended.append(i)
-        output.register_hook(lambda grad: self.before_backward(i))
-
-
-class PrefetchStaging(RefPrefetch):
-    """Gathers into a staging buffer of its own and copies it into unit.full once waited."""
-
-    def launch(self, unit):
-        if unit not in self.handles and not unit.full.untyped_storage().nbytes():
-            staging = torch.empty(unit.full.numel())
-            self.handles[unit] = (staging, dist.all_gather_into_tensor(staging, unit.shard.detach(), async_op=True))
-
-    def ready(self, unit):
-        self.launch(unit)
-        if unit in self.handles:
-            staging, handle = self.handles.pop(unit)
-            handle.wait()
-            unit.full.untyped_storage().resize_(unit.full.numel() * 4)
-            unit.full.copy_(staging)
-
-
-class PrefetchOnSummingUnits(RefPrefetch):
-    """Right, but over units whose reduce_scatter_grads sums the gradients (section 4's mistake): the results
-    must equal one process's."""
-
-
-class PrefetchBackwardInForwardOrder(RefPrefetch):
-    """In backward, "next" taken as in forward (units[i + 1]) instead of the reverse order of the forwards' ends."""
-
-    def before_backward(self, i):
-        self.ready(self.units[i])
-        if i + 1 < len(self.units):
-            self.launch(self.units[i + 1])
-
-
-class PrefetchFreesInFlight(RefPrefetch):
-    """Frees the next unit, its all-gather still in flight, when a unit's forward ends (e.g. a free of the
-    wrong unit)."""
-
-    def after_forward(self, i, output):
-        super().after_forward(i, output)
-        if i + 1 < len(self.units) and self.units[i + 1] in self.handles:
-            self.units[i + 1].free()
-
-
-class PrefetchWrongShard(RefPrefetch):
-    """Launches the next unit's all-gather from this unit's shard: the units differ in size, so the ranks would
-    exchange buffers of the wrong size (a crash or a hang); the recorder refuses it before the call."""
-
-    def before_forward(self, i):
-        if i == 0:
-            self.ended = []
-        self.ready(self.units[i])
-        if i + 1 < len(self.units):
-            nxt = self.units[i + 1]
-            nxt.full.untyped_storage().resize_(nxt.full.numel() * 4)
-            self.handles[nxt] = dist.all_gather_into_tensor(nxt.full, self.units[i].shard.detach(), async_op=True)
-
-
+# ---- answers refused --------------------------------------------------------------------------
+# The planted wrong answers are the checks' misconceptions (checks_zero.py), tested in test_misconceptions.py.
 CourseAnswer = type("Zero1", (RefZero1,), {"__module__": "picotron.parallel.zero"})  # named, never imported
 CoursePrefetch = type("Zero3", (RefPrefetch,), {"__module__": "picotron.parallel.zero3"})
-check_prefetch = functools.partial(check_zero3_prefetch, RefUnit)   # the learner's unit here: the reference one
-check_prefetch_summing = functools.partial(check_zero3_prefetch, UnitSums)
-
-WRONG_ANSWERS = [
-    (check_shard_range, sr_floor, "cover only"),
-    (check_shard_range, sr_uneven, "same size"),
-    (check_zero1, Zero1Sums, "looks like the sum"),
-    (check_zero1, Zero1AllReduce, "called all-reduce"),
-    (check_zero1, Zero1WholeModel, "whole model"),
-    (check_zero1, Zero1NoAllGather, "no all-gather"),
-    (check_zero1, Zero1Unpadded, "Pad the flat buffer"),
-    (check_zero1, Zero1NoDetach, r"detach\(\)"),
-    (check_zero1, CourseAnswer, "the course's answer"),
-    (check_zero3_forward, UnitNeverFrees, "still hold"),
-    (check_zero3_forward, UnitGathersIntoFreedMemory, "memory was freed"),
-    (check_zero3_forward, UnitNoForwardGather, "starts its forward with parameters that have no memory"),
-    (check_zero3_training, UnitNoBackwardGather, "runs its backward with parameters that have no memory"),
-    (check_zero3_training, UnitSums, "looks like the sum"),
-    (check_zero3_training, UnitAllReduce, "all-reduce called"),
-    (check_zero3_training, UnitKeepsFullGrads, "full gradients"),
-    (check_zero3_training, UnitUnpadded, "Pad the flat buffer"),
-    (check_zero3_training, UnitOverwritesGrad, "not the sum of their averaged gradient shards"),
-    (check_clip_grad_norm, clip_counts_padding, "counts the padding"),
-    (check_clip_grad_norm, clip_sums_norms, "sum of the ranks' norms"),
-    (check_clip_grad_norm, clip_local_norm, "no collective"),
-    (check_clip_grad_norm, clip_per_buffer, "all-reduces: make one"),
-    (check_clip_grad_norm, clip_gathers, "all_gather called"),
-    (check_clip_grad_norm, clip_never_clamps, "never scales gradients up"),
-    (check_clip_grad_norm, clip_returns_square, "return its square root"),
-    (check_clip_grad_norm, clip_global_rank, "place in `group`"),
-    (check_clip_grad_norm, clip_whole_world, "place in `group`"),
-    (check_clip_grad_norm, clip_forgets_to_scale, "were not scaled"),
-    (check_clip_grad_norm, clip_averages, "op=AVG"),
-    (check_clip_grad_norm, clip_reduces_two_numbers, "carried 2 numbers"),
-    (check_prefetch, PrefetchSync, "forward: attn 0's all-gather was called without async_op=True"),
-    (check_prefetch, PrefetchLate, "attn 0's all-gather was launched after model's forward started"),
-    (check_prefetch, PrefetchAllUpFront, r"4 units besides the outer one held .* gathered ahead at once"),
-    (check_prefetch, PrefetchNeverFrees, r"held their full parameters at once .* free each unit's parameters right "
-                                         "after its forward"),
-    (check_prefetch, PrefetchWrongHandle, "model's forward started before the handle of its all-gather was waited.* "
-                                          r"\(the handle waited was attn 0's\)"),
-    (check_prefetch, PrefetchNeverWaits, "model's forward started before the handle of its all-gather was waited"),
-    (check_prefetch, PrefetchWaitsEarly, "attn 0's all-gather was waited before model's forward started: waiting so "
-                                         "early makes the gather synchronous"),
-    (check_prefetch, PrefetchGathersTwice, "forward: model was all-gathered 2 times"),
-    (check_prefetch, PrefetchBackwardSync, "backward: mlp 1's all-gather was called without async_op=True"),
-    (check_prefetch, PrefetchBackwardLate, "backward: mlp 1's all-gather was launched after model's backward began "
-                                           "computing"),
-    (check_prefetch, PrefetchBackwardInForwardOrder, "backward: mlp 1 was all-gathered 2 times.* reverse order of "
-                                                     "their forwards' ends: model, mlp 1, attn 1, mlp 0, attn 0"),
-    (check_prefetch, PrefetchKeepsOuter, "forward: when the forward returned, model still held"),
-    (check_prefetch, PrefetchStaging, "no unit's `full`"),
-    (check_prefetch_summing, PrefetchOnSummingUnits, "looks like the sum"),
-    (check_prefetch, PrefetchFreesInFlight, "mlp 0's memory was resized to 0 bytes while its all-gather was in flight"),
-    (check_prefetch, PrefetchWrongShard, "fills 8352 elements, but its output has 3072"),
-    (check_prefetch, CoursePrefetch, "the course's answer"),
-]
 
 
-@pytest.mark.parametrize("check, answer, says", WRONG_ANSWERS, ids=[a.__name__ for _, a, _ in WRONG_ANSWERS])
-def test_wrong_answer_fails(check, answer, says, capsys):
-    with pytest.raises(AssertionError, match=says):
+class MisconceptionsBase(checks_zero._Unit):   # the correct base the misconceptions change
+    pass
+
+
+REFUSED = [(check_zero1, CourseAnswer), (check_zero1, checks_zero._Zero1), (check_zero3_forward, MisconceptionsBase),
+           (check_zero3_training, checks_zero._Unit), (check_prefetch, CoursePrefetch),
+           (check_prefetch, checks_zero._Prefetch),
+           (functools.partial(check_zero3_prefetch, checks_zero._Unit), RefPrefetch)]
+
+
+@pytest.mark.parametrize("check, answer", REFUSED, ids=["zero1", "zero1_base", "forward_base", "training_base",
+                                                        "prefetch", "prefetch_base", "prefetch_unit_base"])
+def test_the_course_answer_is_refused(check, answer, capsys):
+    with pytest.raises(AssertionError, match="the course's answer"):
         check(answer)
-    if answer not in (CourseAnswer, CoursePrefetch):  # refused before running: no table
-        assert "FAIL" in capsys.readouterr().out
+    assert "FAIL" not in capsys.readouterr().out   # refused before a table is printed
+
+
+def clip_doubles_the_norm(shards, numels, max_norm, group):
+    return 2 * ref_clip(shards, numels, max_norm, group)
+
+
+def test_a_mistake_no_misconception_describes_gets_the_difference_without_a_hint(capsys):
+    """Fails at the norm, as clip_sums_norms or clip_returns_square do, but with other values: no hint is given."""
+    with pytest.raises(AssertionError, match=r"the norm each rank returned .*\(rank 0 of the group\)") as error:
+        check_clip_grad_norm(clip_doubles_the_norm)
+    assert "Hint" not in str(error.value) and "hint:" not in capsys.readouterr().out
 
 
 # ---- the recorder ----------------------------------------------------------------------------
@@ -779,17 +359,13 @@ def test_recorder_counts_each_call_once():
 # ---- the stretch's cases and the predict-then-run demo -------------------------------------------
 def test_clip_cases_cover_what_the_task_promises():
     """Whole shards of padding, a norm below max_norm (nothing clipped), groups of 2 inside the world."""
-    from picotron_course.checks_zero import _clip_cases
-    cases = _clip_cases()
-    numels = [(len(members), b.numel()) for case in cases for members, buffers in zip(case["groups"], case["buffers"])
-              for b in buffers]
-    assert any(n <= (world - 1) * -(-n // world) for world, n in numels)     # a rank whose shard is all padding
-    assert any(max(case["max_norm"]) > 1 for case in cases)
-    assert any(len(case["groups"]) > 1 for case in cases)
-    for case in cases:
-        for buffers, max_norm in zip(case["buffers"], case["max_norm"]):
-            norm = torch.linalg.vector_norm(torch.cat(buffers)).item()
-            assert max_norm < 0.6 * norm or max_norm > 1.5 * norm             # clipped or not, never borderline
+    rows = [(len(case["ranks"]), buffers, max_norm)
+            for case, (buffers, max_norm) in zip(checks_zero.CLIP.cases, checks_zero._clip_cases())]
+    assert any(n <= (world - 1) * -(-n // world) for world, buffers, _ in rows for n in map(len, buffers))
+    assert any(world < checks_zero.WORLD for world, _, _ in rows)
+    norms = [(torch.linalg.vector_norm(torch.cat(buffers)).item(), max_norm) for _, buffers, max_norm in rows]
+    assert any(max_norm > norm for norm, max_norm in norms)
+    assert all(max_norm < 0.6 * norm or max_norm > 1.5 * norm for norm, max_norm in norms)   # never borderline
 
 
 def test_write_back_demo_shows_what_the_notebook_asserts(capsys):

@@ -17,7 +17,9 @@ for module in pkgutil.iter_modules(picotron_course.__path__):
     if module.name.startswith("checks"):
         importlib.import_module(f"picotron_course.{module.name}")
 
-RECORDS = [(check, misconception) for check in engine.CHECKS for misconception in check.misconceptions]
+# Sorted: every xdist worker must collect the same tests in the same order, whatever imported a checks module first.
+RECORDS = sorted(((check, misconception) for check in engine.CHECKS for misconception in check.misconceptions),
+                 key=lambda record: (record[0].title, record[1].name))
 
 
 @pytest.mark.parametrize("check, misconception", RECORDS, ids=[f"{c.title}:{m.name}" for c, m in RECORDS])
