@@ -1,18 +1,14 @@
-"""The checks of assignment 06 pass correct schedules and fail planted wrong ones, each with a message
-that names the mistake.
+"""The checks of assignment 06 pass correct schedules and refuse the course's own.
 
-The correct answers are written here, not taken from the solution notebook (which runs under nbval
-on its own) nor from picotron.parallel.pipeline_schedules, which the checks refuse.
-The structure checks run in this process (milliseconds); the training check launches 4 ranks, so it
-runs only for the answers where that is the point: the right one, AFAB posing as 1F1B (right
-gradients, too much memory), and two that must be refused before any rank starts.
+The correct answers are written here, not taken from the solution notebook (which runs under nbval on its own) nor
+from picotron.parallel.pipeline_schedules, which the checks refuse. The wrong answers are the checks' misconceptions,
+each failing with its hint (tests/test_misconceptions.py).
 """
-
-import time
 
 import pytest
 
 import picotron.parallel.pipeline_schedules as pipeline_schedules
+from picotron_course import checks_pp
 from picotron_course.checks_pp import (COURSE_SCHEDULES, STRUCTURE_CASES, TRAIN_CASES, check_afab_actions,
                                        check_one_f_one_b_actions, check_one_f_one_b_training, check_zb_h1_actions,
                                        show_timeline)
@@ -29,8 +25,8 @@ def ref_afab_tuples(rank, pp, m):
     return [(op, i, rank) for op in "FB" for i in range(m)]
 
 
-def ref_1f1b(rank, pp, m):
-    warmup = min(pp - rank - 1, m)
+def ref_1f1b(rank, pp, m, extra=0):
+    warmup = min(pp - rank - 1 + extra, m)
     actions = [Action("F", i, rank) for i in range(warmup)]
     for k in range(m - warmup):
         actions += [Action("F", warmup + k, rank), Action("B", k, rank)]
@@ -73,21 +69,25 @@ def ref_zb_h1_pending(rank, pp, m):
     return actions + [("W", i, rank) for i in pending]
 
 
+# The cases each check's table runs (picotron_course.checks.Report): its promise, asserted by every_case.
+CASES = {"afab_actions": 10, "one_f_one_b_actions": 10, "zb_h1_actions": 10, "one_f_one_b_actions on the executor": 3}
+
+
 @pytest.mark.parametrize("check, answer", [(check_afab_actions, ref_afab), (check_afab_actions, ref_afab_tuples),
                                            (check_one_f_one_b_actions, ref_1f1b),
                                            (check_one_f_one_b_actions, ref_1f1b_queue),
-                                           (check_zb_h1_actions, ref_zb_h1), (check_zb_h1_actions, ref_zb_h1_pending)],
-                         ids=["afab", "afab_tuples", "1f1b", "1f1b_queue", "zb_h1", "zb_h1_pending"])
-def test_correct_structure_passes(check, answer, capsys):
+                                           (check_zb_h1_actions, ref_zb_h1), (check_zb_h1_actions, ref_zb_h1_pending),
+                                           (check_one_f_one_b_training, ref_1f1b)],
+                         ids=["afab", "afab_tuples", "1f1b", "1f1b_queue", "zb_h1", "zb_h1_pending", "training"])
+def test_correct_answer_passes(check, answer, every_case, monkeypatch):
+    """With the course's schedules broken: the checks judge with picotron's simulator (the exercise hands it to the
+    learner), never with its schedules (what the exercise teaches)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("the check called the course's schedules")
+    for name in COURSE_SCHEDULES:
+        monkeypatch.setattr(pipeline_schedules, name, broken)
     check(answer)
-    out = capsys.readouterr().out
-    assert "FAIL" not in out and f"{len(STRUCTURE_CASES)}/{len(STRUCTURE_CASES)} cases passed" in out
-
-
-def test_correct_training_passes(capsys):
-    check_one_f_one_b_training(ref_1f1b)
-    out = capsys.readouterr().out
-    assert "FAIL" not in out and f"{len(TRAIN_CASES)}/{len(TRAIN_CASES)} cases passed" in out
+    every_case(CASES)
 
 
 def test_cases_cover_the_edges():
@@ -100,184 +100,49 @@ def test_cases_cover_the_edges():
     assert any(m < layout["pp"] for layout, m in TRAIN_CASES) and any(m > layout["pp"] for layout, m in TRAIN_CASES)
 
 
-# ---- planted wrong answers --------------------------------------------------------------------------
-def warmup_one_too_many(rank, pp, m):
-    """pp - rank warm-up forwards, not pp - rank - 1: right order, one micro-batch more in memory."""
-    warmup = min(pp - rank, m)
-    actions = [Action("F", i, rank) for i in range(warmup)]
-    for k in range(m - warmup):
-        actions += [Action("F", warmup + k, rank), Action("B", k, rank)]
-    return actions + [Action("B", k, rank) for k in range(m - warmup, m)]
-
-
-def no_warmup(rank, pp, m):
-    """F0 B0 F1 B1 ...: every micro-batch crosses the whole pipeline alone."""
-    return [Action(op, i, rank) for i in range(m) for op in "FB"]
-
-
-def warmup_counts_up(rank, pp, m):
-    """rank warm-up forwards instead of pp - rank - 1: the last rank waits for a forward rank 0 never sends."""
-    warmup = min(rank, m)
-    actions = [Action("F", i, rank) for i in range(warmup)]
-    for k in range(m - warmup):
-        actions += [Action("F", warmup + k, rank), Action("B", k, rank)]
-    return actions + [Action("B", k, rank) for k in range(m - warmup, m)]
-
-
-def newest_backward_first(rank, pp, m):
-    """In the steady state, the backward of the micro-batch just forwarded (a stack, not a queue)."""
-    warmup = min(pp - rank - 1, m)
-    actions, stack = [Action("F", i, rank) for i in range(warmup)], list(range(warmup))
-    for k in range(warmup, m):
-        actions += [Action("F", k, rank), Action("B", k, rank)]
-    return actions + [Action("B", k, rank) for k in reversed(stack)]
-
-
-def missing_last_backward(rank, pp, m):
-    return ref_1f1b(rank, pp, m)[:-1]
-
-
-def stage_counted_from_the_end(rank, pp, m):
-    return [Action(op, i, pp - 1 - rank) for op, i, _ in ref_1f1b(rank, pp, m)]
-
-
-def afab_on_stage_zero(rank, pp, m):
-    return [Action(op, i, 0) for op, i, _ in ref_afab(rank, pp, m)]
-
-
-def backward_before_forward(rank, pp, m):
-    """The steady state as B then F: the last rank's first backward comes before any forward."""
-    warmup = min(pp - rank - 1, m)
-    actions = [Action("F", i, rank) for i in range(warmup)]
-    for k in range(m - warmup):
-        actions += [Action("B", k, rank), Action("F", warmup + k, rank)]
-    return actions + [Action("B", k, rank) for k in range(m - warmup, m)]
-
-
-def returns_strings(rank, pp, m):
-    return [f"{a.op}{a.microbatch}" for a in ref_1f1b(rank, pp, m)]
-
-
+# ---- answers refused, and a mistake no misconception describes -------------------------------------------
+# The planted wrong answers are the checks' misconceptions (checks_pp.py), tested in test_misconceptions.py.
 def calls_the_course_1f1b(rank, pp, m):
     from picotron.parallel.pipeline_schedules import one_f_one_b_schedule
     return one_f_one_b_schedule(pp, m).actions[rank]
 
 
-def afab_newest_first(rank, pp, m):
-    """Backwards from the newest micro-batch on every rank: the messages still match, and it would train
-    right, but the task asks for the backwards in the same order as the forwards."""
-    return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in reversed(range(m))]
+REFUSED = {"1f1b": (check_one_f_one_b_actions, calls_the_course_1f1b, "one_f_one_b_schedule, the course's answer"),
+           "afab_make_schedule": (check_afab_actions, lambda r, pp, m: pipeline_schedules.make_schedule(
+               "afab", pp, m).actions[r], "make_schedule, the course's answer"),
+           "training": (check_one_f_one_b_training, calls_the_course_1f1b, "one_f_one_b_schedule, the course's answer"),
+           "zb_h1": (check_zb_h1_actions, lambda r, pp, m: pipeline_schedules.zb_h1_schedule(pp, m).actions[r],
+                     "zb_h1_schedule, the course's answer"),
+           "1f1b_calls_the_checks_base": (check_one_f_one_b_actions, lambda r, pp, m: checks_pp._one_f_one_b(r, pp, m),
+                                          "checks_pp._one_f_one_b, the course's answer"),
+           "1f1b_the_checks_base": (check_one_f_one_b_actions, checks_pp._one_f_one_b, "comes from picotron_course"),
+           "zb_h1_the_checks_base": (check_zb_h1_actions, checks_pp._zb_h1, "comes from picotron_course.checks_pp")}
 
 
-def afab_all_reversed(rank, pp, m):
-    """Forwards and backwards both newest first, the same on every rank."""
-    return [Action(op, i, rank) for op in "FB" for i in reversed(range(m))]
-
-
-def zb_w_right_after_b(rank, pp, m):
-    """1F1B with the backward cut in two and nothing moved: B's gradient leaves sooner, but the waits stay."""
-    return [x for a in ref_1f1b(rank, pp, m) for x in ([a, Action("W", a.microbatch, rank)] if a.op == "B" else [a])]
-
-
-def zb_all_w_at_the_end(rank, pp, m):
-    """Every W after the last B: no bubble left to fill, but every micro-batch held until the end."""
-    return ref_1f1b(rank, pp, m) + [Action("W", i, rank) for i in range(m)]
-
-
-def zb_w_early_in_the_cool_down(rank, pp, m):
-    """The lag of ref_zb_h1, plus a waiting W run before each cool-down B: it delays the B a neighbour
-    waits for."""
-    warmup, actions, pending = min(pp - rank - 1, m), [], []
-    base = ref_1f1b(rank, pp, m)
-    for k, a in enumerate(base):
-        if a.op == "B" and k >= 2 * m - warmup and pending:      # the cool-down's B's
-            actions.append(Action("W", pending.pop(0), rank))
-        actions.append(a)
-        if a.op == "B":
-            pending.append(a.microbatch)
-            if len(pending) > rank:
-                actions.append(Action("W", pending.pop(0), rank))
-    return actions + [Action("W", i, rank) for i in pending]
-
-
-def zb_w_before_its_b(rank, pp, m):
-    actions = ref_zb_h1(rank, pp, m)
-    b, w = actions.index(Action("B", 0, rank)), actions.index(Action("W", 0, rank))
-    actions[b], actions[w] = actions[w], actions[b]
-    return actions
-
-
-def zb_without_w(rank, pp, m):
-    return ref_1f1b(rank, pp, m)
-
-
-def calls_the_course_zb_h1(rank, pp, m):
-    return pipeline_schedules.zb_h1_schedule(pp, m).actions[rank]
-
-
-def calls_make_schedule(rank, pp, m):
-    import picotron.parallel.pipeline_schedules as pipeline
-    return pipeline.make_schedule("afab", pp, m).actions[rank]
-
-
-WRONG_STRUCTURE = [
-    (check_one_f_one_b_actions, warmup_one_too_many, "warm-up of p - r - 1"),
-    (check_one_f_one_b_actions, no_warmup, "warm-up of p - r - 1"),
-    (check_one_f_one_b_actions, warmup_counts_up, "deadlocks"),
-    (check_one_f_one_b_actions, ref_afab, "which is AFAB"),
-    (check_one_f_one_b_actions, newest_backward_first, "same micro-batch order"),
-    (check_one_f_one_b_actions, missing_last_backward, "missing B"),
-    (check_one_f_one_b_actions, stage_counted_from_the_end, "holds stage"),
-    (check_one_f_one_b_actions, backward_before_forward, "comes before F"),
-    (check_one_f_one_b_actions, returns_strings, "Action"),
-    (check_afab_actions, ref_1f1b, "AFAB all"),
-    (check_afab_actions, no_warmup, "AFAB all"),
-    (check_afab_actions, afab_on_stage_zero, "holds stage"),
-    (check_afab_actions, afab_newest_first, r"backwards in the order \[7, 6, .*same order as the forwards"),
-    (check_afab_actions, afab_all_reversed, r"forwards in the order \[7, 6"),
-    (check_zb_h1_actions, zb_w_right_after_b, "Every W runs right after its B"),
-    (check_zb_h1_actions, zb_all_w_at_the_end, "more than p = 4"),
-    (check_zb_h1_actions, zb_w_early_in_the_cool_down, r"ZB-H1 takes m\(F\+B\+W\) \+ \(p-1\)\(F\+B-W\) = 27"),
-    (check_zb_h1_actions, zb_w_before_its_b, "W0 comes before B0"),
-    (check_zb_h1_actions, zb_without_w, "missing W"),
-    (check_zb_h1_actions, ref_1f1b_queue, "missing W"),
-]
-
-
-@pytest.mark.parametrize("check, answer, says", WRONG_STRUCTURE,
-                         ids=[f"{c.__name__.removeprefix('check_')}-{a.__name__}" for c, a, _ in WRONG_STRUCTURE])
-def test_wrong_structure_fails(check, answer, says, capsys):
+@pytest.mark.parametrize("check, answer, says", REFUSED.values(), ids=REFUSED)
+def test_the_course_answer_is_refused(check, answer, says, capsys):
     with pytest.raises(AssertionError, match=says):
         check(answer)
-    assert "FAIL" in capsys.readouterr().out
+    assert "FAIL" not in capsys.readouterr().out   # refused before a table is printed
 
 
-@pytest.mark.parametrize("check, answer, name", [(check_one_f_one_b_actions, calls_the_course_1f1b,
-                                                  "one_f_one_b_schedule"),
-                                                 (check_afab_actions, calls_make_schedule, "make_schedule"),
-                                                 (check_one_f_one_b_training, calls_the_course_1f1b,
-                                                  "one_f_one_b_schedule"),
-                                                 (check_zb_h1_actions, calls_the_course_zb_h1, "zb_h1_schedule")],
-                         ids=["1f1b", "afab_make_schedule", "training", "zb_h1"])
-def test_the_course_answer_is_refused(check, answer, name):
-    with pytest.raises(AssertionError, match=f"{name}, the course's answer"):
-        check(answer)
+def test_a_mistake_no_misconception_describes_gets_the_difference_without_a_hint(capsys):
+    """Two warm-up forwards too many: the peak says which way it is wrong, but no record makes this mistake."""
+    with pytest.raises(AssertionError, match=r"\(rank 0\): expected 4, got 6: a warm-up longer") as error:
+        check_one_f_one_b_actions(lambda rank, pp, m: ref_1f1b(rank, pp, m, extra=2))
+    assert "Hint" not in str(error.value) and "hint:" not in capsys.readouterr().out
 
 
-def test_afab_posing_as_1f1b_trains_right_but_fails_on_memory(capsys):
-    with pytest.raises(AssertionError, match="that is AFAB"):
-        check_one_f_one_b_training(ref_afab)
-    out = capsys.readouterr().out
-    assert "FAIL" in out and "loss" in out
-
-
-@pytest.mark.parametrize("answer, says", [(warmup_counts_up, "deadlocks"), (missing_last_backward, "missing B")],
+@pytest.mark.parametrize("answer, says", [(checks_pp.WARMUP_UP.answer, "a deadlock"),
+                                          (checks_pp.NO_LAST_B.answer, "'B7 missing'")],
                          ids=["deadlock", "missing_backward"])
-def test_training_refuses_a_broken_list_before_launching(answer, says, capsys):
-    start = time.perf_counter()
-    with pytest.raises(AssertionError, match=f"not run: .*{says}"):
+def test_training_refuses_a_broken_list_before_launching(answer, says, monkeypatch, capsys):
+    """Lists that would hang or crash the ranks never reach them (the misconceptions' own run may: it is not this)."""
+    def launched(*args):
+        raise RuntimeError("the check launched ranks")
+    monkeypatch.setattr(checks_pp, "on_ranks", launched)
+    with pytest.raises(AssertionError, match=says):
         check_one_f_one_b_training(answer)
-    assert time.perf_counter() - start < 10      # no rank waited for its timeout
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -289,31 +154,13 @@ def test_unsolved_lets_not_implemented_through():
             check(unsolved)
 
 
-def test_timeline_shows_the_warm_up(capsys):
+def test_timeline_shows_the_warm_up_and_the_held_back_w(capsys):
     show_timeline(ref_1f1b, 4, 8)
+    show_timeline(ref_zb_h1, 4, 8)
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("rank 0: F0 F1 F2 F3 ..") and "peak 4, bubble 0.27" in lines[1]
     assert lines[4].startswith("rank 3: .. .. .. F0 B0 --") and "peak 1" in lines[4]
-    with pytest.raises(ValueError, match="deadlocks"):
-        show_timeline(warmup_counts_up, 4, 8)
-
-
-def test_zb_h1_timeline_shows_the_held_back_w(capsys):
-    show_timeline(ref_zb_h1, 4, 8)
-    lines = capsys.readouterr().out.splitlines()
-    assert "F, B and W take 1 each" in lines[0]
-    assert lines[4].startswith("rank 3: .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4") and "peak 4, bubble 0.11" in lines[4]
-
-
-@pytest.mark.parametrize("check, answer", [(check_afab_actions, ref_afab), (check_one_f_one_b_actions, ref_1f1b),
-                                           (check_zb_h1_actions, ref_zb_h1)], ids=["afab", "1f1b", "zb_h1"])
-def test_structure_checks_need_nothing_of_the_course_module(check, answer, monkeypatch, capsys):
-    """The checks judge with their own simulation: with the course's schedules and simulator broken,
-    a right answer still passes (so the checks are no copy of picotron's answer)."""
-    def broken(*args, **kwargs):
-        raise RuntimeError("the check called the course's pipeline_schedules")
-    for name in (*COURSE_SCHEDULES, "simulate", "check_schedule", "peak_in_flight", "bubble_fraction",
-                 "bubble_formula"):
-        monkeypatch.setattr(pipeline_schedules, name, broken)
-    check(answer)
-    assert "FAIL" not in capsys.readouterr().out
+    assert "F, B and W take 1 each" in lines[5]
+    assert lines[9].startswith("rank 3: .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4") and "peak 4, bubble 0.11" in lines[9]
+    with pytest.raises(ValueError, match="deadlock"):
+        show_timeline(checks_pp.WARMUP_UP.answer, 4, 8)
