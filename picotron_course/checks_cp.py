@@ -34,9 +34,9 @@ import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from picotron_course import settings
-from picotron_course.checks import (CollectiveNotAllowed, close_enough, collectives_observed, on_ranks, one_thread,
+from picotron_course.checks import (CollectiveNotAllowed, collectives_observed, on_ranks, one_thread,
                                     only_point_to_point, patched, preview, raised, rank_tensor, tensors_in)
-from picotron_course.engine import Check, Close, Exact, Misconception, by_rank
+from picotron_course.engine import Check, Close, Exact, Misconception, Said, by_rank, named
 
 __all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "check_mesh_2d",
            "check_attention_2d", "WORLD", "CP_SIZES", "HOP_TIMEOUT"]
@@ -67,29 +67,9 @@ INF = math.inf
 PAIR, LONGS = "a pair of tensors", "a 1-D int64 tensor"
 
 
-# ---- what these checks add to the engine (proposed engine features) -----------------------------
-class Said(Exact):
-    """What a rank refused or raised ("" when nothing), shown whole: the message says what to fix."""
-
-    def shown(self, got, want) -> str:
-        return f"expected {want or 'nothing'}, got {got or 'nothing'}"
-
-
-class Scaled(Close):
-    """Close, against the scale the expected tensor carries (`want.scale`) rather than its largest value."""
-
-    def close(self, got, want) -> bool:
-        return close_enough(got, want, self.dtype, n=self.n, scale=getattr(want, "scale", None))
-
-
+# ---- the quantities and the runs of these checks ---------------------------------------------------
 _exact = functools.partial(Exact, axes=("rank {}",))
 _close = functools.partial(Close, n=ROUNDINGS, dtype=FP32, axes=("rank {}",))
-
-
-def _named(name: str, answer: Callable) -> Callable:
-    """A misconception written as a lambda, under the name its test shows."""
-    answer.__name__ = answer.__qualname__ = name
-    return answer
 
 
 def _variant(base: type, name: str, **changed) -> object:
@@ -338,26 +318,26 @@ LAYOUT_CHECK = Check(
         "positions": _exact("rank_positions(seq_len, r, cp, zigzag): the positions of its chunks, chunk by chunk, in "
                             "the order of rank_chunks")},
     misconceptions=[
-        Misconception((_named("chunks_mirror_in_first_half", lambda r, cp, z: [r, cp - 1 - r] if z else [r]),
+        Misconception((named("chunks_mirror_in_first_half", lambda r, cp, z: [r, cp - 1 - r] if z else [r]),
                        _positions), "chunk cp-1-r lies in the first half of the sequence too. Pair chunk r with its "
                                     "mirror from the end, 2cp-1-r, so that an early chunk (few keys to see) goes with "
                                     "a late one (many)"),
-        Misconception((_named("chunks_late_first", lambda r, cp, z: _chunks(r, cp, z)[::-1]), _positions),
+        Misconception((named("chunks_late_first", lambda r, cp, z: _chunks(r, cp, z)[::-1]), _positions),
                       "list the chunks in increasing order, the order of the rank's tokens"),
-        Misconception((_named("chunks_strided", lambda r, cp, z: [r, r + cp] if z else [r]), _positions),
+        Misconception((named("chunks_strided", lambda r, cp, z: [r, r + cp] if z else [r]), _positions),
                       "chunks r and r+cp keep the order of the first half, so the last rank still holds the latest "
                       "tokens of both halves and does the most work. Take the mirror from the end, 2cp-1-r"),
-        Misconception((_chunks, _named("positions_of_wide_chunks", lambda seq, r, cp, z: torch.cat(
+        Misconception((_chunks, named("positions_of_wide_chunks", lambda seq, r, cp, z: torch.cat(
             [torch.arange(c * (seq // cp), (c + 1) * (seq // cp)) for c in _chunks(r, cp, z)]))),
             "a zig-zag chunk holds seq_len/(2 cp) tokens, not seq_len/cp: chunk 2cp-1-r of wider chunks runs past "
             "the end of the sequence"),
-        Misconception((_chunks, _named("positions_as_floats", lambda *a: _positions(*a).float())),
+        Misconception((_chunks, named("positions_as_floats", lambda *a: _positions(*a).float())),
                       "return the positions as a 1-D torch.long tensor, the dtype of an index, not floats"),
-        Misconception((_chunks, _named("positions_as_int32", lambda *a: _positions(*a).int())),
+        Misconception((_chunks, named("positions_as_int32", lambda *a: _positions(*a).int())),
                       "int32 positions index fine, but the task asks for torch.long (int64), the dtype of an index"),
-        Misconception((_chunks, _named("positions_as_list", lambda *a: _positions(*a).tolist())),
+        Misconception((_chunks, named("positions_as_list", lambda *a: _positions(*a).tolist())),
                       "rank_positions returned a list; return a 1-D torch.long tensor (torch.arange, torch.cat)"),
-        Misconception((_chunks, _named("positions_overlap", lambda seq, r, cp, z: torch.arange(
+        Misconception((_chunks, named("positions_overlap", lambda seq, r, cp, z: torch.arange(
             r * _width(seq, cp, z) // 2, r * _width(seq, cp, z) // 2 + seq // cp))),
             "some positions are held by no rank and others by more than one: each rank holds the positions of its "
             "own chunks, and together the ranks hold each position once")])
@@ -445,7 +425,7 @@ def merge_without_max(out, lse, block_out, block_lse):
 
 def _lse(name: str, new_lse: Callable) -> Misconception:
     """The misconception of a merge whose out is right and whose lse is new_lse(lse, block_lse)."""
-    return Misconception(_named(name, lambda o, lse, bo, block_lse: (_merge(o, lse, bo, block_lse)[0],
+    return Misconception(named(name, lambda o, lse, bo, block_lse: (_merge(o, lse, bo, block_lse)[0],
                                                                      new_lse(lse, block_lse))),
                          f"it {name.removeprefix('merge_').replace('_', ' ')}: the new lse is log(exp(lse) + "
                          "exp(block_lse)), torch.logaddexp(lse, block_lse)")
@@ -466,17 +446,17 @@ MERGE = Check(
                            "(no key seen) its weight must be exp(-inf) = 0"),
         "lse": Close("lse: the new lse is log(exp(lse) + exp(block_lse)), torch.logaddexp(lse, block_lse)",
                      n=ROUNDINGS, dtype=FP32),
-        "out": Scaled(f"out: {_SHARES}", n=ROUNDINGS, dtype=FP32)},
+        "out": Close(f"out: {_SHARES}", n=ROUNDINGS, dtype=FP32)},
     misconceptions=[
         Misconception(merge_without_max, "exp overflowed or underflowed (in fp32 exp is inf above 88.7 and 0 below "
                                          "-103). Never exponentiate an lse itself: new_lse = torch.logaddexp(lse, "
                                          "block_lse) (or subtract the max first), then weigh with exp(lse - new_lse) "
                                          "and exp(block_lse - new_lse), both <= 1"),
-        Misconception(_named("merge_nan_when_both_empty", lambda *a: _merge(*a, safe=False)),
+        Misconception(named("merge_nan_when_both_empty", lambda *a: _merge(*a, safe=False)),
                       "where both lse are -inf, lse - new_lse is -inf - (-inf) = NaN. Where the new lse is -inf, no "
                       "key was seen: subtract 0 instead (torch.where(new_lse == -inf, 0, new_lse)), so both weights "
                       "are exp(-inf) = 0 and out stays 0"),
-        Misconception(_named("merge_log1p_around_lse", lambda o, lse, bo, block_lse: _merge(
+        Misconception(named("merge_log1p_around_lse", lambda o, lse, bo, block_lse: _merge(
             o, lse, bo, block_lse, new=lse + torch.log1p((block_lse - lse).exp()))),
             "where one lse is -inf (a part that saw no key) its weight must be exp(-inf) = 0, but lse + log1p(exp("
             "block_lse - lse)) is -inf + inf = NaN there: take new_lse = torch.logaddexp(lse, block_lse), and the "
@@ -485,15 +465,15 @@ MERGE = Check(
         _lse("merge_returned_block_lse", lambda lse, block_lse: block_lse),
         _lse("merge_returned_the_larger_of_the_two_lse", torch.maximum),
         _lse("merge_added_the_two_lse", torch.add),
-        Misconception(_named("merge_average", lambda o, lse, bo, block_lse: ((o + bo) / 2, torch.logaddexp(
+        Misconception(named("merge_average", lambda o, lse, bo, block_lse: ((o + bo) / 2, torch.logaddexp(
             lse, block_lse))), f"it averaged the two outputs: {_SHARES}"),
-        Misconception(_named("merge_unscaled_running", lambda o, lse, bo, block_lse: (
+        Misconception(named("merge_unscaled_running", lambda o, lse, bo, block_lse: (
             o + bo * _weights(lse, block_lse)[1], torch.logaddexp(lse, block_lse))),
             "it weighed only the new block: the running out must be scaled by its share exp(lse - new_lse) too"),
-        Misconception(_named("merge_unscaled_block", lambda o, lse, bo, block_lse: (
+        Misconception(named("merge_unscaled_block", lambda o, lse, bo, block_lse: (
             o * _weights(lse, block_lse)[0] + bo, torch.logaddexp(lse, block_lse))),
             "it weighed only the running out: block_out must be scaled by its share exp(block_lse - new_lse) too"),
-        Misconception(_named("merge_swapped_weights", lambda o, lse, bo, block_lse: _merge(o, block_lse, bo, lse)),
+        Misconception(named("merge_swapped_weights", lambda o, lse, bo, block_lse: _merge(o, block_lse, bo, lse)),
                       f"it swapped the weights: {_SHARES}")])
 
 
@@ -560,7 +540,7 @@ def _ring_cases() -> list[dict]:
 
 
 def _diagonal(name: str, diagonal: Callable) -> Callable:
-    return _named(name, lambda *args: _attend(*args, diagonal=diagonal))
+    return named(name, lambda *args: _attend(*args, diagonal=diagonal))
 
 
 ATTEND = Check(
@@ -590,7 +570,7 @@ ATTEND = Check(
         Misconception(_diagonal("diagonal_hides_itself", lambda qc, kc, c: None if kc > qc else -1 if kc == qc else c),
                       "the diagonal mask hides each query's own position: tril() keeps the diagonal (a query sees "
                       "itself)"),
-        Misconception(_named("attend_replaces", lambda *args: _attend(*args, merge=lambda o, lse, bo, bl: (bo, bl))),
+        Misconception(named("attend_replaces", lambda *args: _attend(*args, merge=lambda o, lse, bo, bl: (bo, bl))),
                       "only the last block computed is in the output: each block must be merged into the running "
                       "(out, lse), not replace it"),
         Misconception(_diagonal("future_computed_masked", lambda qc, kc, c: -c if kc > qc else c * (kc < qc)),
@@ -893,25 +873,25 @@ MESH = Check(
         "positions": _exact("positions_2d(s, rank, u, r, zigzag): piece j = rank % u of u equal contiguous pieces of "
                             "ring rank g = rank // u's positions (rank_positions(s, g, r, zigzag))")},
     misconceptions=[
-        Misconception((_named("groups_swapped", lambda rank, u, r: _groups_2d(rank, u, r)[::-1]), _positions_2d),
+        Misconception((named("groups_swapped", lambda rank, u, r: _groups_2d(rank, u, r)[::-1]), _positions_2d),
                       "the two groups are swapped. The all-to-alls move q, k, v and the output of every token, on "
                       "the fast links: the Ulysses group is one node, the u consecutive ranks; the ring takes one "
                       "rank from each node"),
-        Misconception((_named("groups_ulysses_strided", lambda rank, u, r: (
+        Misconception((named("groups_ulysses_strided", lambda rank, u, r: (
             list(range(rank % r, u * r, r)), list(range(rank // r * r, rank // r * r + r)))), _positions_2d),
             "the Ulysses group must be the u consecutive ranks of a node: ranks i r + ... are spread over the "
             "nodes, so the all-to-all would cross them"),
-        Misconception((_named("groups_ring_from_self", lambda rank, u, r: (
+        Misconception((named("groups_ring_from_self", lambda rank, u, r: (
             _groups_2d(rank, u, r)[0], (ring := _groups_2d(rank, u, r)[1])[rank // u:] + ring[:rank // u])),
             _positions_2d), "list the ring group in node order, which is the order of the ring, not from this rank on"),
-        Misconception((_groups_2d, _named("positions_2d_as_list", lambda *args: _positions_2d(*args).tolist())),
+        Misconception((_groups_2d, named("positions_2d_as_list", lambda *args: _positions_2d(*args).tolist())),
                       "positions_2d returned a list: return a 1-D torch.long tensor"),
-        Misconception((_groups_2d, _named("positions_one_ring_of_cp", lambda s, rank, u, r, z: _positions(
+        Misconception((_groups_2d, named("positions_one_ring_of_cp", lambda s, rank, u, r, z: _positions(
             s, rank, u * r, z))), "that is the layout of one ring of cp = u r ranks, right only for u = 1. After the "
                                   "all-to-all a rank holds the tokens of its whole node, and those must be ring rank "
                                   "g's tokens (rank_positions(s, g, r, zigzag)) in order: give rank g u + j piece j "
                                   "of them"),
-        Misconception((_groups_2d, _named("positions_every_uth_token", lambda s, rank, u, r, z: _positions(
+        Misconception((_groups_2d, named("positions_every_uth_token", lambda s, rank, u, r, z: _positions(
             s, rank // u, r, z)[rank % u::u])), "every u-th token of ring rank g's: the all-to-all joins the pieces "
                                                "one after the other, in group-rank order, so each piece must be "
                                                "contiguous, piece j of u")])

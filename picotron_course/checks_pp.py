@@ -30,7 +30,7 @@ from picotron.config import ModelConfig
 from picotron.model import Llama, loss_fn
 from picotron.parallel.pipeline_schedules import Action, Schedule, peak_in_flight, simulate
 from picotron_course.checks import on_ranks, one_thread, watch_calls
-from picotron_course.engine import Check, Exact, InTraining, Misconception, Within, by_rank
+from picotron_course.engine import Check, Exact, InTraining, Misconception, Within, by_rank, named
 
 __all__ = ["check_afab_actions", "check_one_f_one_b_actions", "check_one_f_one_b_training", "check_zb_h1_actions",
            "show_timeline", "STRUCTURE_CASES", "TRAIN_CASES", "WORLD"]
@@ -224,12 +224,6 @@ def _zb_h1(rank, pp, m, lag=None, early=False):
 BASES = {_afab.__code__, _one_f_one_b.__code__, _zb_h1.__code__}
 
 
-def _wrong(name: str, answer: Callable) -> Callable:
-    """A misconception's answer, under its name (its test is named after it)."""
-    answer.__name__ = answer.__qualname__ = name
-    return answer
-
-
 def zb_w_before_its_b(rank, pp, m):
     actions = _zb_h1(rank, pp, m)
     b, w = actions.index(Action("B", 0, rank)), actions.index(Action("W", 0, rank))
@@ -237,12 +231,12 @@ def zb_w_before_its_b(rank, pp, m):
     return actions
 
 
-NO_WARMUP = _wrong("no_warmup", lambda r, pp, m: _one_f_one_b(r, pp, m, warmup=0))   # F0 B0 F1 B1 ...
-WARMUP_UP = Misconception(_wrong("warmup_counts_up", lambda r, pp, m: _one_f_one_b(r, pp, m, warmup=min(r, m))),
+NO_WARMUP = named("no_warmup", lambda r, pp, m: _one_f_one_b(r, pp, m, warmup=0))   # F0 B0 F1 B1 ...
+WARMUP_UP = Misconception(named("warmup_counts_up", lambda r, pp, m: _one_f_one_b(r, pp, m, warmup=min(r, m))),
                           "the warm-up shrinks with the rank (rank 0 the most forwards, the last rank none): a rank "
                           "must not wait for a gradient before it has sent the forwards that the ranks after it need "
                           "first")
-NO_LAST_B = Misconception(_wrong("missing_last_backward", lambda r, pp, m: _one_f_one_b(r, pp, m)[:-1]),
+NO_LAST_B = Misconception(named("missing_last_backward", lambda r, pp, m: _one_f_one_b(r, pp, m)[:-1]),
                           "every micro-batch needs exactly one backward (B) on every rank: the cool-down runs all the "
                           "backwards still owed, the last one too")
 IN_FLIGHT = "the most micro-batches in flight on each rank, from F until B"
@@ -264,12 +258,12 @@ AFAB = _declare(
                 "peak": Count(f"{IN_FLIGHT}: AFAB all m", RANK, fewer="run every forward before the first backward"),
                 "bubble": BUBBLE},
     misconceptions=[
-        Misconception(_wrong("afab_on_stage_zero", lambda r, pp, m: _afab(0, pp, m)),
+        Misconception(named("afab_on_stage_zero", lambda r, pp, m: _afab(0, pp, m)),
                       "rank r holds stage r: all its actions use stage=rank, not 0"),
-        Misconception(_wrong("afab_all_reversed", lambda r, pp, m: [(op, i, r) for op in "FB" for i in range(m)[::-1]]),
+        Misconception(named("afab_all_reversed", lambda r, pp, m: [(op, i, r) for op in "FB" for i in range(m)[::-1]]),
                       "the forwards of micro-batches 0, 1, ..., m-1 in turn, then their backwards in the same order "
                       "(oldest first), as the task asks"),
-        Misconception(_wrong("afab_newest_first", lambda r, pp, m: _afab(r, pp, m)[:m] + _afab(r, pp, m)[m:][::-1]),
+        Misconception(named("afab_newest_first", lambda r, pp, m: _afab(r, pp, m)[:m] + _afab(r, pp, m)[m:][::-1]),
                       "the backwards in the same order as the forwards (oldest first), as the task asks: newest first "
                       "would train right too, but picotron's afab schedule and torch's ScheduleGPipe go oldest first"),
         Misconception(_one_f_one_b, "that is 1F1B: AFAB runs all m forwards before the first backward, so every rank "
@@ -288,23 +282,23 @@ ONE_F_ONE_B = _declare(
                                     "while it could run forwards, and the bubble grows"),
                 "bubble": BUBBLE},
     misconceptions=[
-        Misconception(_wrong("returns_strings", lambda r, pp, m: [f"{op}{i}" for op, i, _ in _one_f_one_b(r, pp, m)]),
+        Misconception(named("returns_strings", lambda r, pp, m: [f"{op}{i}" for op, i, _ in _one_f_one_b(r, pp, m)]),
                       "each item is an Action(op, microbatch, stage), e.g. Action('F', 0, rank), not a string"),
-        Misconception(_wrong("stage_counted_from_the_end",
+        Misconception(named("stage_counted_from_the_end",
                              lambda r, pp, m: [Action(op, i, pp - 1 - r) for op, i, _ in _one_f_one_b(r, pp, m)]),
                       "with one stage per rank, rank r holds stage r and all its actions use stage=rank (not a stage "
                       "counted from the last rank)"),
         NO_LAST_B,
-        Misconception(_wrong("backward_before_forward", lambda r, pp, m: _one_f_one_b(r, pp, m, pair="BF")),
+        Misconception(named("backward_before_forward", lambda r, pp, m: _one_f_one_b(r, pp, m, pair="BF")),
                       "a backward needs the activations its forward saved: in the steady state run the forward of a "
                       "new micro-batch, then a backward"),
-        Misconception(_wrong("newest_backward_first", lambda r, pp, m: _one_f_one_b(r, pp, m, newest=True)),
+        Misconception(named("newest_backward_first", lambda r, pp, m: _one_f_one_b(r, pp, m, newest=True)),
                       "run the backwards in the same micro-batch order on every rank, oldest first (a queue, not a "
                       "stack): the gradients a rank receives would belong to another micro-batch"),
         WARMUP_UP,
         Misconception(_afab, "every forward comes before the first backward, which is AFAB. Start the backwards after "
                              "a warm-up of min(p - r - 1, m) forwards"),
-        Misconception(_wrong("warmup_one_too_many", lambda r, pp, m: _one_f_one_b(r, pp, m, warmup=min(pp - r, m))),
+        Misconception(named("warmup_one_too_many", lambda r, pp, m: _one_f_one_b(r, pp, m, warmup=min(pp - r, m))),
                       "a warm-up of p - r - 1 forwards, then F and B in turn, is enough: the first gradient comes back "
                       "just as the warm-up is done, and one more forward only costs memory"),
         Misconception(NO_WARMUP, "without a warm-up of p - r - 1 forwards a rank waits for gradients while it could be "
@@ -464,14 +458,14 @@ ZB_H1 = _declare(
                                     "into B (the input's gradient) and W (the weights')"),
         Misconception(zb_w_before_its_b, "the weights' gradient needs the output gradient that B received: run each "
                                           "W after its B"),
-        Misconception(_wrong("zb_all_w_at_the_end", lambda r, pp, m: _zb_h1(r, pp, m, lag=m)),
+        Misconception(named("zb_all_w_at_the_end", lambda r, pp, m: _zb_h1(r, pp, m, lag=m)),
                       "a micro-batch's activations stay until its W has run, so with every W after the last B all m "
                       "are held until the end: run each W sooner"),
-        Misconception(_wrong("zb_w_right_after_b", lambda r, pp, m: _zb_h1(r, pp, m, lag=0)),
+        Misconception(named("zb_w_right_after_b", lambda r, pp, m: _zb_h1(r, pp, m, lag=0)),
                       "every W runs right after its B: the gradient leaves a little sooner than in 1F1B, but the ranks "
                       "still wait where 1F1B waits. Hold W's back, to fill the time a rank would otherwise spend "
                       "waiting for a gradient"),
-        Misconception(_wrong("zb_w_early_in_the_cool_down", lambda r, pp, m: _zb_h1(r, pp, m, early=True)),
+        Misconception(named("zb_w_early_in_the_cool_down", lambda r, pp, m: _zb_h1(r, pp, m, early=True)),
                       "a W run before a B of the cool-down delays the B the previous rank waits for: in the cool-down, "
                       "run the waiting W's after the B's")])
 

@@ -41,9 +41,9 @@ from picotron import tolerance
 from picotron.config import ModelConfig
 from picotron.model import Llama, loss_fn
 from picotron_course import settings
-from picotron_course.checks import close_enough, collectives_observed, on_ranks, one_thread
+from picotron_course.checks import collectives_observed, on_ranks, one_thread
 from picotron_course.checks import patched, reduce_name
-from picotron_course.engine import Check, Close, Exact, InTraining, Misconception, Within, by_rank
+from picotron_course.engine import Check, Close, Exact, InTraining, Misconception, Said, Within, by_rank, per_case
 
 __all__ = ["check_shard_range", "check_zero1", "check_zero3_forward", "check_zero3_training", "check_clip_grad_norm",
            "check_zero3_prefetch", "zero1_write_back_demo", "recorded_collectives", "unit_params", "prefetch_units",
@@ -71,29 +71,7 @@ ONLY = {__name__: {"_Zero1", "_Unit", "_Prefetch"}}
 AVG = dist.ReduceOp.AVG
 
 
-# ---- what these checks add to the engine (proposed engine features) -----------------------------
-@dataclass(frozen=True)
-class Refused(Exact):
-    """What a rank refused before it could crash or hang ("" when nothing), shown whole: it says what to fix."""
-
-    def shown(self, got, want) -> str:
-        return str(got)
-
-
-@dataclass(frozen=True)
-class Roundings(Close):
-    """Close, the roundings behind each number carried by the expected tensor (`want.roundings`): they differ by
-    case (the elements of the buffers whose norm is taken)."""
-
-    def close(self, got, want) -> bool:
-        return close_enough(got, want, self.dtype, n=getattr(want, "roundings", self.n))
-
-
-def _roundings(tensor: torch.Tensor, n: int) -> torch.Tensor:
-    tensor.roundings = n
-    return tensor
-
-
+# ---- running the answers on the ranks ----------------------------------------------------------
 def _on_ranks(fn: Callable, after: Callable | None = None, data: Callable | None = None, deadlock: str = ""):
     """observe: fn(answer, case, at) of every answer on every case (_each; with data, fn(answers, cases, data())),
     on WORLD ranks in one launch, as [answer][case] dicts of lists over the ranks; after(got, case) makes what is
@@ -521,7 +499,7 @@ ZERO1 = Check(
           "data parallelism's all-reduce)"),
     cases=[dict(model=name) for name in ZERO_MODELS], columns=_zero1_columns,
     quantities={
-        "refused": Refused("stopped before a collective that would crash or hang", axes=("rank {}",)),
+        "refused": Said("stopped before a collective that would crash or hang", axes=("rank {}",)),
         "state": Exact("the elements of AdamW state in each rank's optimizer: the two moments of its shard, 2 x shard "
                        "(none: AdamW makes its state at its first step, for parameters that have a gradient; set "
                        "self.param_shard.grad, then call self.optimizer.step())", axes=("rank {}",)),
@@ -721,7 +699,7 @@ FORWARD = Check(
                                "all-gathers": _rank0(got, "collectives", _calls),
                                "held after (B)": _rank0(got, "held")},
     quantities={
-        "refused": Refused("stopped before it could crash", axes=("rank {}",)),
+        "refused": Said("stopped before it could crash", axes=("rank {}",)),
         "shards": Exact(f"the elements of each unit's shard: 1/{WORLD} of the unit's padded parameters, nothing more",
                         axes=("rank {}",)),
         "held": Exact("the bytes still behind the units' full parameters once forward returned: free_params must "
@@ -901,7 +879,7 @@ TRAINING = Check(
     columns=lambda case, got: {"units": len(_sizes(case["model"])),
                                "collectives/pass": _rank0(got, "collectives", lambda passes: _calls(passes[0])),
                                "held after (B)": _rank0(got, "held", max)},
-    quantities={"refused": Refused("stopped before it could crash or hang", axes=("rank {}",)), **TRAINED},
+    quantities={"refused": Said("stopped before it could crash or hang", axes=("rank {}",)), **TRAINED},
     misconceptions=[
         Misconception(UnitNoBackwardGather, "a module runs its backward with parameters that have no memory: gather "
                                             "them again before the module's backward. In the forward hook, register "
@@ -1021,8 +999,8 @@ def _expect_clip(case: dict, observed: dict) -> dict:
     norm, grads = _torch_clip(case["_row"])
     total = sum(flat.numel() for flat in buffers)
     return {"refused": [""] * world, "collectives": [[f"all_reduce (sum) of 1 number over {world} ranks"]] * world,
-            "same": True, "norm": [_roundings(torch.tensor(norm, dtype=torch.float64), total)] * world,
-            "grads": [_roundings(grad, total) for grad in grads]}
+            "same": True, "norm": [per_case(torch.tensor(norm, dtype=torch.float64), n=total)] * world,
+            "grads": [per_case(grad, n=total) for grad in grads]}
 
 
 def _real(shard, numel, rank):
@@ -1133,14 +1111,14 @@ CLIP = Check(
                                "rank's norm": _rank0(got, "norm", lambda n: n.item() if hasattr(n, "item") else n),
                                "collectives": _rank0(got, "collectives", _calls)},
     quantities={
-        "refused": Refused("stopped before a collective that would crash or hang", axes=("rank {} of the group",)),
+        "refused": Said("stopped before a collective that would crash or hang", axes=("rank {} of the group",)),
         "collectives": Exact("the collectives of each rank of the group: one all-reduce (sum) of one number, this "
                              "rank's sum of the squares of its shards' real elements, over `group`",
                              axes=("rank {} of the group",)),
         "same": Exact("every rank of the group returned the same norm"),
-        "norm": Roundings("the norm each rank returned (a float or a 0-d tensor), against torch's: the global norm of "
+        "norm": Close("the norm each rank returned (a float or a 0-d tensor), against torch's: the global norm of "
                           "the unpadded gradients", dtype=torch.float32, axes=("rank {} of the group",)),
-        "grads": Roundings("the gradients after the call (the group's shards put together, without the padding), "
+        "grads": Close("the gradients after the call (the group's shards put together, without the padding), "
                            "against torch's: every shard.grad scaled in place by min(1, max_norm / (norm + 1e-6))",
                            axes=("buffer {}",))},
     misconceptions=[
@@ -1617,7 +1595,7 @@ PREFETCH = Check(
                                "sizes": str(_sizes(case["model"], prefetch_units)),
                                "async": _rank0(got, "async", lambda passes: str(sorted(set(passes)))),
                                "most held": _rank0(got, "most held")},
-    quantities={"refused": Refused("stopped when it happened", axes=("rank {}",)),
+    quantities={"refused": Said("stopped when it happened", axes=("rank {}",)),
                 **{rule: Exact(says, axes=("rank {}",)) for rule, says in RULES.items()}, **TRAINED},
     misconceptions=[
         Misconception(_with(PrefetchStaging), "gather each unit's shards straight into unit.full (the module's "

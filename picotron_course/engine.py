@@ -36,7 +36,8 @@ import torch
 from picotron_course.checks import Report, close_enough, close_in_training, max_abs_error, mismatch, preview
 from picotron_course.checks import not_the_course_answer
 
-__all__ = ["Quantity", "Exact", "Close", "InTraining", "Within", "Misconception", "Check", "CHECKS", "by_rank"]
+__all__ = ["Quantity", "Exact", "Said", "Close", "per_case", "InTraining", "Within", "Misconception", "Check", "CHECKS",
+           "named", "by_rank"]
 
 CHECKS: list["Check"] = []   # every check declared, in the order its module was imported
 
@@ -119,12 +120,31 @@ class _Tensors(Quantity):
 
 @dataclass(frozen=True)
 class Close(_Tensors):
-    """Tensors equal up to the rounding of the `n` operations behind each number (picotron.tolerance)."""
+    """Tensors equal up to the rounding of the `n` operations behind each number (picotron.tolerance). Where they
+    differ by case, the expected tensor carries its own (`per_case(want, n=..., scale=...)`)."""
     n: int = 1
     dtype: Any = None
 
     def close(self, got, want) -> bool:
-        return close_enough(got, want, self.dtype, n=self.n)
+        return close_enough(got, want, self.dtype, n=getattr(want, "roundings", self.n),
+                            scale=getattr(want, "scale", None))
+
+
+def per_case(want: torch.Tensor, n: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """An expected tensor that carries its own roundings `n` or `scale` for Close (picotron.tolerance)."""
+    if n is not None:
+        want.roundings = n
+    if scale is not None:
+        want.scale = scale
+    return want
+
+
+@dataclass(frozen=True)
+class Said(Exact):
+    """Exact, shown whole (what a rank raised or refused, "" when nothing): the message says what to fix."""
+
+    def shown(self, got, want) -> str:
+        return f"expected {want or 'nothing'}, got {got or 'nothing'}"
 
 
 @dataclass(frozen=True)
@@ -237,6 +257,12 @@ class Check:
         if first != next(iter(wrong), None):
             return False
         return first is None or self.quantities[first].equal(mine.get(first), theirs.get(first))
+
+
+def named(name: str, answer: Callable) -> Callable:
+    """A misconception written as a lambda, under the name its test shows."""
+    answer.__name__ = answer.__qualname__ = name
+    return answer
 
 
 # ---- observations made on ranks ----------------------------------------------------------------
