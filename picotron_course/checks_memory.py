@@ -16,17 +16,20 @@ pack hook, which notes its storage. Several saves of one storage (a view, or one
 three matmuls) count once; parameters and the RoPE cos/sin rows, which all layers share, are not
 activations and are left out.
 
-No ranks here: everything runs in one process, on one thread. A wrong answer fails its row
-with a hint that names the likely mistake (a forgotten final norm, k and v as wide as q under
-GQA, ...); an unsolved one raises NotImplementedError, which goes through untouched.
+No ranks here: everything runs in one process, on one thread, declared on the course's engine
+(picotron_course.engine). A wrong answer fails its row; the misconceptions after each check are the
+mistakes learners make (a forgotten final norm, k and v as wide as q under GQA, ...), each with the
+hint it should read. An unsolved answer raises NotImplementedError, which goes through untouched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import weakref
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -34,12 +37,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from picotron import tolerance
 from picotron.config import PRESETS, ModelConfig
 from picotron.memory_tracking import SavedActivations
 from picotron.model import DecoderLayer, Llama, Rotary, eager_attention
 from picotron.model import recompute as course_recompute
-from picotron_course.checks import Report, one_thread, refusing
+from picotron_course.checks import one_thread, refusing
+from picotron_course.engine import Check, Exact, Misconception, Within
 
 __all__ = ["check_num_params", "check_activation_bytes", "check_recompute", "check_checkpoint_plan", "SavedStorages",
            "saved_by_layer", "measure_plan", "PARAM_SHAPES", "ACTIVATION_CASES", "RECOMPUTE_CASES", "PLAN_SHAPES"]
@@ -98,11 +101,18 @@ def saved_by_layer(config: ModelConfig, batch: int, seq: int, dtype: torch.dtype
     Parameters and the RoPE cos/sin rows are left out; a storage saved as several views shows the
     shape with the most dimensions.
     """
+    return [(tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
+            for t in _layer_storages(config, batch, seq, dtype).values()]
+
+
+def _layer_storages(config: ModelConfig, batch: int, seq: int, dtype: torch.dtype) -> dict:
+    """SavedStorages.storages of one decoder layer's forward, parameters and cos/sin left out."""
     layer, x, cos, sin = _layer_and_input(config, batch, seq, dtype)
     with SavedStorages() as saved:
-        out = layer(x, cos, sin)  # noqa: F841 (kept alive: its graph holds the saved tensors)
-    return [(tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
-            for t in saved.storages(besides=[*layer.parameters(), cos, sin]).values()]
+        out = layer(x, cos, sin)
+    kept = saved.storages(besides=[*layer.parameters(), cos, sin])   # while out (and its graph) holds them
+    del out
+    return kept
 
 
 def _layer_and_input(config: ModelConfig, batch: int, seq: int, dtype: torch.dtype):
@@ -113,14 +123,19 @@ def _layer_and_input(config: ModelConfig, batch: int, seq: int, dtype: torch.dty
     return layer, x, cos, sin
 
 
-
-
 # The code the assignment rebuilds: a learner's answer must not call it.
 MEMORY_FILE = importlib.util.find_spec("picotron.memory").origin
 COSTS_FILE = importlib.util.find_spec("picotron.costs").origin      # the one-process formulas memory builds on
 CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 
+def _refusing(check: Check, answer, answers: dict, what: str = ""):
+    """refusing(answers) around a call of `answer`, unless it is one of the check's misconceptions (they measure)."""
+    return refusing(what or check.title, {} if any(answer == m.answer for m in check.misconceptions) else answers)
+
+
+def _kind(value) -> str:
+    return "an int" if isinstance(value, int) and not isinstance(value, bool) else f"a {type(value).__name__}"
 
 
 # ==== 1. the parameter count ====================================================================
@@ -136,74 +151,97 @@ PARAM_SHAPES: list[tuple[str, ModelConfig]] = [
     ("head_dim 32 x 4 != h 96, tied", ModelConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
                                                   head_dim=32, intermediate_size=256, num_layers=3)),
 ]
+PARAM_ANSWERS = {MEMORY_FILE: "picotron.memory", ModelConfig.num_params.__code__: "ModelConfig.num_params",
+                 Llama.__init__.__code__: "Llama(config) (building the model counts it for you)"}
+
+
+def _meta_llama(config: ModelConfig) -> Llama:
+    with torch.device("meta"):  # shapes without memory: the 8B model builds in a moment
+        return Llama(config)
+
+
+_MEASURED: dict = {}   # by repr: a config is not hashable
+
+
+def _counted(config: ModelConfig) -> int:
+    if repr(config) not in _MEASURED:
+        _MEASURED[repr(config)] = sum(p.numel() for p in _meta_llama(config).parameters())  # a tied weight once
+    return _MEASURED[repr(config)]
+
+
+def _observe_counts(answers: list, cases: list) -> list:
+    def count(num_params, case):
+        with _refusing(NUM_PARAMS, num_params, PARAM_ANSWERS):
+            got = num_params(dataclasses.replace(case["_config"]))  # a copy: the answer cannot change our config
+        return {"returned": _kind(got), "count": got}
+    with one_thread():
+        return [[count(num_params, case) for case in cases] for num_params in answers]
+
+
+def _n(*modules) -> int:
+    return sum(p.numel() for m in modules for p in m.parameters(recurse=False))
+
+
+def _params_off(name: str, off: Callable) -> Callable:
+    """A wrong num_params: the count, off by off(model, config) (a mistake's cost, read off the model's parts)."""
+    def num_params(config):
+        model = _meta_llama(dataclasses.replace(config, num_layers=1))   # the layers are alike: one shows them
+        return _counted(config) + off(model, config, model.layers[0], config.num_layers)
+    num_params.__name__ = name
+    return num_params
+
+
+def _params_float(config):
+    return float(_counted(config))
+
+
+NUM_PARAMS = Check(
+    "num_params", observe=_observe_counts,
+    expect=lambda case, got: {"returned": "an int", "count": _counted(case["_config"])},
+    note="expected: sum(p.numel() for p in model.parameters()) of Llama(config) built on the meta device",
+    cases=[dict(shape=name, layers=c.num_layers, **{"heads q/kv": f"{c.num_attention_heads}/{c.num_key_value_heads}"},
+                _config=c) for name, c in PARAM_SHAPES],
+    columns=lambda case, got: {"counted": _counted(case["_config"]), "yours": got["count"], "yours - counted":
+                               got["count"] - _counted(case["_config"]) if got["returned"] == "an int" else "?"},
+    quantities={"returned": Exact("what num_params returned (return an int, the number of parameters)"),
+                "count": Exact("the parameters counted (list every module's weights, print(model) or "
+                               "model.named_parameters() on the meta device, and compare with your sum)")},
+    misconceptions=[
+        Misconception(_params_float, "return an int, the number of parameters"),
+        Misconception(_params_off("np_no_final_norm", lambda m, c, l, n: -_n(m.norm)),
+                      "the final RMSNorm is missing (hidden_size weights, after the last layer)"),
+        Misconception(_params_off("np_no_layer_norms", lambda m, c, l, n: -n * _n(l.attn_norm, l.mlp_norm)),
+                      "the RMSNorm weights of the layers are missing: two per layer, hidden_size each"),
+        Misconception(_params_off("np_one_norm_per_layer", lambda m, c, l, n: -n * _n(l.attn_norm)),
+                      "each layer has two RMSNorms (before attention, before the MLP), not one"),
+        Misconception(_params_off("np_tied_twice", lambda m, c, l, n: _n(m.embed) if c.tie_word_embeddings else 0),
+                      "the tied embedding is counted twice: with tie_word_embeddings=True the LM head is the "
+                      "embedding matrix"),
+        Misconception(_params_off("np_no_lm_head", lambda m, c, l, n: 0 if c.tie_word_embeddings else -_n(m.lm_head)),
+                      "the LM head is missing: with tie_word_embeddings=False it is its own vocab x hidden matrix"),
+        Misconception(_params_off("np_no_embedding", lambda m, c, l, n: -_n(m.embed)),
+                      "the token embedding (vocab x hidden) is missing"),
+        Misconception(_params_off("np_kv_as_wide_as_q", lambda m, c, l, n: n * (2 * _n(l.attn.q_proj)
+                                                                               - _n(l.attn.k_proj, l.attn.v_proj))),
+                      "k_proj and v_proj are counted as wide as q_proj: under GQA they have num_key_value_heads * "
+                      "head_dim outputs, not num_attention_heads * head_dim"),
+        Misconception(_params_off("np_q_and_o_square", lambda m, c, l, n: n * 2 * (c.hidden_size ** 2
+                                                                                  - _n(l.attn.q_proj))),
+                      "q_proj and o_proj are hidden x (num_attention_heads * head_dim); head_dim is a field of the "
+                      "config and need not be hidden_size / num_attention_heads"),
+        Misconception(_params_off("np_head_dim_from_hidden", lambda m, c, l, n: n * (
+            2 * c.hidden_size * (c.num_attention_heads + c.num_key_value_heads)
+            * (c.hidden_size // c.num_attention_heads) - _n(*(getattr(l.attn, f"{x}_proj") for x in "qkvo")))),
+                      "head_dim is a field of the config, not always hidden_size / num_attention_heads"),
+        Misconception(_params_off("np_two_mlp_matrices", lambda m, c, l, n: -n * _n(l.mlp.gate_proj)),
+                      "the SwiGLU MLP has three matrices (gate, up, down), not two"),
+        Misconception(_params_off("np_counts_rope", lambda m, c, l, n: m.rope.cos.numel() + m.rope.sin.numel()),
+                      "the RoPE cos/sin tables are counted: they are buffers computed from positions, not parameters")])
 
 
 def check_num_params(num_params: Callable[[ModelConfig], int]) -> None:
     """num_params(config) equals the parameters of picotron's Llama built with that config, counted."""
-    answers = {MEMORY_FILE: "picotron.memory", ModelConfig.num_params.__code__: "ModelConfig.num_params",
-               Llama.__init__.__code__: "Llama(config) (building the model counts it for you)"}
-    with Report("num_params", note="expected: sum(p.numel() for p in model.parameters()) of "
-                                   "Llama(config) built on the meta device") as report, one_thread():
-        for name, config in PARAM_SHAPES:
-            with torch.device("meta"):  # shapes without memory: the 8B model builds in a moment
-                model = Llama(config)
-            counted = sum(p.numel() for p in model.parameters())  # a tied weight is listed once
-            with refusing("num_params", answers):
-                got = num_params(dataclasses.replace(config))  # a copy: the answer cannot change our config
-            ok = isinstance(got, int) and got == counted
-            detail = "" if ok else _param_hint(model, config, got, counted)
-            report.add(ok, detail, shape=name, layers=config.num_layers,
-                       **{"heads q/kv": f"{config.num_attention_heads}/{config.num_key_value_heads}",
-                          "counted": f"{counted:,}", "yours": _number(got),
-                          "yours - counted": _difference(got, counted)})
-
-
-def _number(value) -> str:
-    return f"{value:,}" if isinstance(value, int) else repr(value)
-
-
-def _difference(got, expected: int) -> str:
-    return f"{got - expected:+,}" if isinstance(got, int) else "?"
-
-
-def _param_hint(model: Llama, config: ModelConfig, got, counted: int) -> str:
-    """Name the mistake from the measured sizes of the model's parts, when one explains the difference."""
-    if not isinstance(got, int):
-        return f"return an int, the number of parameters (got {type(got).__name__} {got!r})"
-    layers, layer = config.num_layers, model.layers[0]
-    n = lambda *modules: sum(p.numel() for m in modules for p in m.parameters(recurse=False))  # noqa: E731
-    attn, mlp = layer.attn, layer.mlp
-    q_width_h = config.hidden_size * config.hidden_size  # a q or o matrix if head_dim were hidden / heads
-    hints = [
-        (-n(model.norm), f"the final RMSNorm is missing ({config.hidden_size} weights, after the last layer)"),
-        (-layers * n(layer.attn_norm, layer.mlp_norm),
-         "the RMSNorm weights of the layers are missing: two per layer, hidden_size each"),
-        (-layers * n(layer.attn_norm), "each layer has two RMSNorms (before attention, before the MLP), not one"),
-        (n(model.embed) if config.tie_word_embeddings else 0,
-         "the tied embedding is counted twice: with tie_word_embeddings=True the LM head is the embedding matrix"),
-        (0 if config.tie_word_embeddings else -n(model.lm_head),
-         "the LM head is missing: with tie_word_embeddings=False it is its own vocab x hidden matrix"),
-        (-n(model.embed), "the token embedding (vocab x hidden) is missing"),
-        (layers * (2 * n(attn.q_proj) - n(attn.k_proj, attn.v_proj)),
-         "k_proj and v_proj are counted as wide as q_proj: under GQA they have num_key_value_heads * head_dim "
-         "outputs, not num_attention_heads * head_dim"),
-        (layers * 2 * (q_width_h - n(attn.q_proj)),
-         "q_proj and o_proj are hidden x (num_attention_heads * head_dim); head_dim is a field of the config and "
-         "need not be hidden_size / num_attention_heads"),
-        (layers * (2 * config.hidden_size * (config.num_attention_heads + config.num_key_value_heads)
-                   * (config.hidden_size // config.num_attention_heads) - n(attn.q_proj, attn.k_proj, attn.v_proj,
-                                                                        attn.o_proj)),
-         f"head_dim is a field of the config ({config.head_dim} here), not always hidden_size / num_attention_heads "
-         f"({config.hidden_size // config.num_attention_heads})"),
-        (-layers * n(mlp.gate_proj), "the SwiGLU MLP has three matrices (gate, up, down), not two"),
-        (model.rope.cos.numel() + model.rope.sin.numel(),
-         "the RoPE cos/sin tables are counted: they are buffers computed from positions, not parameters"),
-    ]
-    matches = [hint for difference, hint in hints if difference and got - counted == difference]
-    if matches:  # two mistakes can cost the same number of parameters: name both
-        return f"off by {got - counted:+,}: " + "; or ".join(matches)
-    return (f"off by {got - counted:+,}: list every module's weights (print(model) or model.named_parameters() "
-            f"on the meta device) and compare with your sum")
+    NUM_PARAMS(num_params)
 
 
 # ==== 2. the activations of one decoder layer ===================================================
@@ -219,84 +257,109 @@ ACTIVATION_CASES = [("GQA 4/2", 2, 20, torch.float32), ("MHA 4/4", 1, 24, torch.
                     ("MQA 4/1", 3, 8, torch.float32), ("head_dim 24 (4 x 24 != h 64)", 2, 12, torch.float32),
                     ("GQA 4/2", 2, 12, torch.bfloat16), ("head_dim 24 (4 x 24 != h 64)", 1, 20, torch.bfloat16)]
 ATTENTIONS = ("sdpa", "eager")
+ACTIVATION_ANSWERS = {MEMORY_FILE: "picotron.memory", COSTS_FILE: "picotron.costs", DecoderLayer.forward.__code__:
+                      "a DecoderLayer (the formula must come from the shape; the check measures)"}
+_DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
 
 def measure_layer(config: ModelConfig, batch: int, seq: int, dtype: torch.dtype) -> int:
     """Bytes of the distinct storages one decoder layer saves for backward (parameters, cos, sin left out)."""
-    layer, x, cos, sin = _layer_and_input(config, batch, seq, dtype)
-    with SavedStorages() as saved:
-        out = layer(x, cos, sin)  # noqa: F841 (kept alive: its graph holds the saved tensors)
-    return saved.bytes(besides=[*layer.parameters(), cos, sin])
+    key = (repr(config), batch, seq, dtype)
+    if key not in _MEASURED:
+        _MEASURED[key] = sum(t.untyped_storage().nbytes() for t in _layer_storages(config, batch, seq, dtype).values())
+    return _MEASURED[key]
+
+
+def _observe_activations(answers: list, cases: list) -> list:
+    def count(answer, case):
+        with _refusing(ACTIVATIONS, answer, {**ACTIVATION_ANSWERS, measure_layer.__code__: "measure_layer (the check "
+                                             "measures; you count)"}):
+            got = answer(dataclasses.replace(case["_config"]), case["batch"], case["seq"], dtype_bytes=case["_a"])
+        return {"returned": _kind(got), "bytes": got}
+    with one_thread():
+        return [[count(answer, case) for case in cases] for answer in answers]
+
+
+def _expect_activations(case: dict, observed: dict) -> dict:
+    with one_thread():
+        return {"returned": "an int",
+                "bytes": measure_layer(case["_config"], case["batch"], case["seq"], case["dtype"])}
+
+
+def _bytes_off(name: str, off: Callable) -> Callable:
+    """A wrong activation_bytes_per_layer: the measured bytes, off by off(config, terms) (a mistake's cost)."""
+    def activation_bytes_per_layer(c, batch, seq, dtype_bytes=4):
+        a, t, n_q = dtype_bytes, batch * seq, c.num_attention_heads
+        x = SimpleNamespace(a=a, t=t, b=batch, s=seq, eager=c.attention == "eager", probs=a * batch * n_q * seq * seq,
+                            copies=2 * a * t * (n_q - c.num_key_value_heads) * c.head_dim, lse=4 * batch * n_q * seq)
+        return measure_layer(c, batch, seq, _DTYPES[a]) + off(c, x)
+    activation_bytes_per_layer.__name__ = name
+    return activation_bytes_per_layer
+
+
+def _act_ignores_dtype(config, batch, seq, dtype_bytes=4):
+    return measure_layer(config, batch, seq, torch.float32)
+
+
+ACTIVATIONS = Check(
+    "activation_bytes_per_layer", observe=_observe_activations, expect=_expect_activations,
+    note="expected: distinct storages one DecoderLayer saves for backward (saved-tensor hooks), parameters and RoPE "
+         "tables left out; recompute='none'",
+    cases=[dict(shape=shape, attention=attention, batch=batch, seq=seq, dtype=dtype, _a=dtype.itemsize,
+                _config=dataclasses.replace(ACTIVATION_SHAPES[shape], attention=attention))
+           for shape, batch, seq, dtype in ACTIVATION_CASES for attention in ATTENTIONS],
+    columns=lambda case, got: {"yours (B)": got["bytes"]},
+    quantities={"returned": Exact("what activation_bytes_per_layer returned (return an int, a number of bytes)"),
+                "bytes": Exact("the bytes one layer saves for backward (print saved_by_layer(config, batch, seq, "
+                               "dtype) to see every tensor the layer keeps)")},
+    misconceptions=[
+        Misconception(_act_ignores_dtype, "that is the fp32 count: with dtype_bytes=2 the activations take 2 bytes "
+                                          "each, except the fp32 ones (RMSNorm's input copy and 1/rms, sdpa's "
+                                          "log-sum-exp)"),
+        Misconception(_bytes_off("act_no_probabilities", lambda c, x: -x.probs * x.eager),
+                      "the softmax probabilities are missing: eager attention keeps (batch, n_q, seq, seq), "
+                      "a*b*n_q*s^2 bytes"),
+        Misconception(_bytes_off("act_sdpa_probabilities", lambda c, x: x.probs * (not x.eager)),
+                      "sdpa is a fused kernel: it never stores the (seq x seq) probabilities"),
+        Misconception(_bytes_off("act_no_gqa_copies", lambda c, x: -x.copies * x.eager),
+                      "the copies of k and v are missing: eager attention repeats each key-value head for the query "
+                      "heads that read it (GQA), and its matmuls keep those n_q*d-wide copies"),
+        Misconception(_bytes_off("act_kv_as_wide_as_q", lambda c, x: x.copies * (not x.eager)),
+                      "k and v are counted n_q*d wide: under GQA they have n_kv heads, and sdpa reads them without "
+                      "copying"),
+        Misconception(_bytes_off("act_no_logsumexp", lambda c, x: -x.lse * (not x.eager)),
+                      "sdpa's log-sum-exp is missing: one fp32 number per query row, 4*b*n_q*s bytes"),
+        Misconception(_bytes_off("act_eager_logsumexp", lambda c, x: x.lse * x.eager),
+                      "eager attention keeps no log-sum-exp (sdpa's kernel does); it keeps the probabilities"),
+        Misconception(_bytes_off("act_q_hidden_wide", lambda c, x: 2 * x.a * x.t * (
+            c.hidden_size - c.num_attention_heads * c.head_dim)),
+                      "q and the attention output are n_q*head_dim wide, which need not be hidden_size"),
+        Misconception(_bytes_off("act_three_mlp_tensors", lambda c, x: -x.a * x.t * c.intermediate_size),
+                      "SwiGLU keeps four (b, s, f) tensors: the gate output, silu(gate), the up output and their "
+                      "product"),
+        Misconception(_bytes_off("act_no_attention_output", lambda c, x: -x.a * x.t
+                                 * c.num_attention_heads * c.head_dim),
+                      "attention keeps q, k, v and its output (o_proj's input, n_q*d wide)"),
+        Misconception(_bytes_off("act_no_rms", lambda c, x: -8 * x.t),
+                      "RMSNorm's 1/rms is missing: one fp32 number per token, in each of the two norms"),
+        Misconception(_bytes_off("act_norm_input_in_activation_dtype", lambda c, x: -2 * (4 - x.a) * x.t
+                                 * c.hidden_size),
+                      "RMSNorm computes in fp32: the input it keeps is an fp32 copy, 4 bytes per element whatever the "
+                      "activation dtype"),
+        Misconception(_bytes_off("act_all_in_activation_dtype", lambda c, x: -(4 - x.a) * (
+            2 * x.t * c.hidden_size + 2 * x.t + (0 if x.eager else x.lse // 4))),
+                      "some tensors are fp32 whatever the activation dtype: RMSNorm's input copy and 1/rms, sdpa's "
+                      "log-sum-exp"),
+        Misconception(_bytes_off("act_two_tensors_per_norm", lambda c, x: -2 * x.a * x.t * c.hidden_size),
+                      "each RMSNorm keeps three (b, s, h) tensors: its fp32 input, the normalised x and its output"),
+        Misconception(_bytes_off("act_one_norm", lambda c, x: -(4 + 2 * x.a) * x.t * c.hidden_size - 4 * x.t),
+                      "a layer has two RMSNorms (before attention, before the MLP)")])
 
 
 def check_activation_bytes(activation_bytes_per_layer: Callable) -> None:
     """activation_bytes_per_layer(config, batch, seq, dtype_bytes=a) equals the bytes one decoder layer
     saves for backward, measured with saved-tensor hooks, for sdpa and eager attention, fp32 and bf16."""
-    with Report("activation_bytes_per_layer",
-                note="expected: distinct storages one DecoderLayer saves for backward (saved-tensor hooks), "
-                     "parameters and RoPE tables left out; recompute='none'") as report, one_thread():
-        for shape, batch, seq, dtype in ACTIVATION_CASES:
-            for attention in ATTENTIONS:
-                config = dataclasses.replace(ACTIVATION_SHAPES[shape], attention=attention)
-                measured = measure_layer(config, batch, seq, dtype)
-                a = torch.tensor([], dtype=dtype).element_size()
-                with refusing("activation_bytes_per_layer",
-                               {MEMORY_FILE: "picotron.memory", COSTS_FILE: "picotron.costs",
-                                DecoderLayer.forward.__code__:
-                                "a DecoderLayer (the formula must come from the shape; the check measures)"}):
-                    got = activation_bytes_per_layer(dataclasses.replace(config), batch, seq, dtype_bytes=a)
-                ok = isinstance(got, int) and got == measured
-                detail = "" if ok else _activation_hint(config, batch, seq, a, got, measured)
-                report.add(ok, detail, shape=shape, attention=attention, batch=batch, seq=seq, dtype=dtype,
-                           **{"measured (B)": f"{measured:,}", "yours (B)": _number(got),
-                              "yours - measured": _difference(got, measured)})
-
-
-def _activation_hint(config: ModelConfig, batch: int, seq: int, a: int, got, measured: int) -> str:
-    """Name the term that explains the difference, when one does."""
-    if not isinstance(got, int):
-        return f"return an int, a number of bytes (got {type(got).__name__} {got!r})"
-    h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
-    n_q, n_kv, tokens, eager = config.num_attention_heads, config.num_key_value_heads, batch * seq, \
-        config.attention == "eager"
-    probabilities, lse = a * batch * n_q * seq * seq, 4 * batch * n_q * seq
-    gqa_copies = 2 * a * tokens * (n_q - n_kv) * d
-    hints = [
-        (-probabilities if eager else 0, f"the softmax probabilities are missing: eager attention keeps "
-                                         f"(batch, n_q, seq, seq) = ({batch}, {n_q}, {seq}, {seq}), a*b*n_q*s^2 bytes"),
-        (probabilities if not eager else 0, "sdpa is a fused kernel: it never stores the (seq x seq) probabilities"),
-        (-gqa_copies if eager else 0,
-         "the copies of k and v are missing: eager attention repeats each key-value head for the query heads "
-         "that read it (GQA), and its matmuls keep those n_q*d-wide copies"),
-        (gqa_copies if not eager else 0,
-         "k and v are counted n_q*d wide: under GQA they have n_kv heads, and sdpa reads them without copying"),
-        (-lse if not eager else 0, "sdpa's log-sum-exp is missing: one fp32 number per query row, 4*b*n_q*s bytes"),
-        (lse if eager else 0, "eager attention keeps no log-sum-exp (sdpa's kernel does); it keeps the probabilities"),
-        (2 * a * tokens * (h - n_q * d),
-         "q and the attention output are n_q*head_dim wide, which here is not hidden_size "
-         f"({n_q} x {d} = {n_q * d}, hidden {h})"),
-        (-a * tokens * f, "SwiGLU keeps four (b, s, f) tensors: the gate output, silu(gate), the up output and "
-                          "their product"),
-        (-a * tokens * n_q * d, "attention keeps q, k, v and its output (o_proj's input, n_q*d wide)"),
-        (-8 * tokens, "RMSNorm's 1/rms is missing: one fp32 number per token, in each of the two norms"),
-        (-2 * (4 - a) * tokens * h, "RMSNorm computes in fp32: the input it keeps is an fp32 copy, 4 bytes per "
-                                    "element whatever the activation dtype"),
-        (-(4 - a) * (2 * tokens * h + 2 * tokens + (0 if eager else batch * n_q * seq)),
-         "some tensors are fp32 whatever the activation dtype: RMSNorm's input copy and 1/rms, sdpa's log-sum-exp"),
-        (-2 * a * tokens * h, "each RMSNorm keeps three (b, s, h) tensors: its fp32 input, the normalised x and "
-                              "its output"),
-        (-(4 + 2 * a) * tokens * h - 4 * tokens, "a layer has two RMSNorms (before attention, before the MLP)"),
-    ]
-    if a != 4:  # the same layer in fp32: an answer that ignores dtype_bytes returns this
-        fp32 = measure_layer(config, batch, seq, torch.float32)
-        if got == fp32:
-            return (f"that is the fp32 count: with dtype_bytes={a} the activations take {a} bytes each, except "
-                    "the fp32 ones (RMSNorm's input copy and 1/rms, sdpa's log-sum-exp)")
-    matches = [hint for difference, hint in hints if difference and got - measured == difference]
-    if matches:  # two terms can have the same size for one shape: name both
-        return f"off by {got - measured:+,} bytes: " + "; or ".join(matches)
-    return (f"off by {got - measured:+,} bytes ({(got - measured) / tokens:+.1f} per token): print "
-            "saved_by_layer(config, batch, seq, dtype) to see every tensor the layer keeps")
+    ACTIVATIONS(activation_bytes_per_layer)
 
 
 # ==== 3. recomputation ===========================================================================
@@ -304,6 +367,7 @@ SEQ = 64
 LAYER = ModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                     attention="eager")
 KEPT_BYTES_ALLOWED = 0  # nothing beyond the inputs, as the task says (SavedStorages leaves out 0-dim scalars)
+RECOMPUTE_ANSWERS = {CHECKPOINT_FILE: "torch.utils.checkpoint", course_recompute.__code__: "picotron.model.recompute"}
 
 
 def _sdpa(q, k, v):
@@ -339,10 +403,6 @@ RECOMPUTE_CASES = [
 ]
 
 
-def _plain(fn: Callable, *inputs):
-    return fn(*inputs)
-
-
 def _run_recompute_case(case: Callable, wrap: Callable) -> dict:
     """What `wrap` keeps in forward (under the saved-tensor counter), then, in a second run without
     the counter, its output and gradients for a fixed upstream gradient.
@@ -367,87 +427,136 @@ def _run_recompute_case(case: Callable, wrap: Callable) -> dict:
     out, leaves, _, params = case(counting_wrap)
     forward_runs = len(runs)
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
-    grads = {f"input {name}": t.grad for name, t in leaves.items()}
-    grads.update({f"parameter {name}": p.grad for name, p in params.items()})
-    return {"out": out.detach(), "grads": grads, "kept": kept, "forward runs": forward_runs,
-            "backward runs": runs[forward_runs:]}
+    grads = {**{f"input {name}": t.grad for name, t in leaves.items()},
+             **{f"parameter {name}": p.grad for name, p in params.items()}}
+    return {"error": "", "kept": kept, "fn runs": [forward_runs, len(runs) - forward_runs], "out": out.detach(),
+            "no gradient": [name for name, g in grads.items() if g is None], "grads": list(grads.values())}
+
+
+def _observe_recompute(answers: list, cases: list) -> list:
+    def run(recompute, case):
+        wrap = recompute.apply if isinstance(recompute, type) and issubclass(recompute, torch.autograd.Function) \
+            else recompute   # the class itself was passed: call it the way autograd does
+        with _refusing(RECOMPUTE, recompute, {**RECOMPUTE_ANSWERS, _Recompute.backward.__code__: "the check's own "
+                                              "recompute (checks_memory._Recompute)"}):
+            try:
+                return _run_recompute_case(case["_case"], wrap)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001  (autograd's own errors: observed, and named by a hint)
+                first = str(e).strip().split("\n")[0].split(". ")[0]   # torch's first sentence says what happened
+                return {"error": f"{type(e).__name__}: {first}"}
+    with one_thread():
+        return [[run(recompute, case) for case in cases] for recompute in answers]
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_run(name: str) -> dict:
+    with one_thread():
+        return _run_recompute_case(dict(RECOMPUTE_CASES)[name], lambda fn, *inputs: fn(*inputs))
+
+
+def _expect_recompute(case: dict, observed: dict) -> dict:
+    plain = _plain_run(case["case"])
+    return {"error": "", "kept": KEPT_BYTES_ALLOWED, "fn runs": [plain["fn runs"][0]] * 2, "out": plain["out"],
+            "no gradient": [], "grads": plain["grads"]}
+
+
+class _Recompute(torch.autograd.Function):
+    """The correct answer the misconceptions below change, each in one of these (refused as an answer)."""
+    detach, enable_grad, grads_of_parameters, none_for_fn = True, True, True, True
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        how = ctx._forward_cls   # the class whose apply() made ctx
+        inputs = [t.detach().requires_grad_(t.requires_grad) if how.detach else t for t in ctx.saved_tensors]
+        with torch.set_grad_enabled(how.enable_grad):
+            out = ctx.fn(*inputs)
+        if how.grads_of_parameters:
+            torch.autograd.backward(out, grad_output)
+            grads = [t.grad for t in inputs]
+        else:   # torch.autograd.grad returns the inputs' gradients only
+            wanted = iter(torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad_output))
+            grads = [next(wanted) if t.requires_grad else None for t in inputs]
+        return (None, *grads) if how.none_for_fn else tuple(grads)
+
+
+class KeepsTheGraph(torch.autograd.Function):
+    """Correct gradients, no memory saved: forward records fn's graph, backward goes through it."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.enable_grad():
+            ctx.out = fn(*ctx.inputs)
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        torch.autograd.backward(ctx.out, grad_output)
+        return None, *(t.grad for t in ctx.inputs)
+
+
+class GradOfInputsOnly(_Recompute):
+    grads_of_parameters = False
+
+
+class NoEnableGrad(_Recompute):
+    enable_grad = False   # backward runs with grad mode off: no graph is recorded
+
+
+class NotDetached(_Recompute):
+    detach = False   # the saved inputs are still attached to the outer graph
+
+
+class ForgetsNoneForFn(_Recompute):
+    none_for_fn = False
+
+
+RECOMPUTE = Check(
+    "recompute", observe=_observe_recompute, expect=_expect_recompute,
+    note="kept: bytes autograd saves for backward besides the inputs (saved-tensor hooks); fn runs: in forward / in "
+         "backward; gradients compared with torch.equal",
+    cases=[dict(case=name, _case=case) for name, case in RECOMPUTE_CASES],
+    columns=lambda case, got: {"kept (B)": got.get("kept", "-"), "fn runs": got.get("fn runs", "-")},
+    quantities={
+        "error": Exact("the error autograd raised (see the error above it in the traceback of your code)"),
+        "kept": Exact("the bytes autograd kept for backward besides the inputs: forward must run fn without "
+                      "recording a graph and save only the inputs"),
+        "fn runs": Exact("the times fn ran in forward and in backward: once in each for each call of the wrapper "
+                         "(backward recomputes what forward did not keep)"),
+        "out": Within("the output, bit for bit against fn(*inputs): forward must return fn's output unchanged"),
+        "no gradient": Exact("the inputs and parameters that got no gradient"),
+        "grads": Within("the gradients, bit for bit against the plain ones (the inputs', then the parameters' in "
+                        "order): recompute with the same ops on the same inputs and return their gradients",
+                        axes=("gradient {}",))},
+    misconceptions=[
+        Misconception(KeepsTheGraph, "forward must run fn without recording a graph and save only the inputs: "
+                                     "backward recomputes the rest (keep no graph of fn alive besides them)"),
+        Misconception(GradOfInputsOnly, "the parameters got no gradient: backpropagate through the recomputed graph "
+                                        "with torch.autograd.backward(output, grad_output), which also fills the "
+                                        ".grad of the parameters fn uses (torch.autograd.grad(output, inputs) "
+                                        "returns only the inputs')"),
+        Misconception(NoEnableGrad, "backward runs with gradients switched off: recompute fn under "
+                                    "torch.enable_grad(), on inputs detached from the outer graph, with requires_grad "
+                                    "as the originals had it"),
+        Misconception(NotDetached, "the recomputation went through the original graph as well: detach the saved "
+                                   "inputs (t.detach().requires_grad_(t.requires_grad)) before running fn again"),
+        Misconception(ForgetsNoneForFn, "backward returns one gradient per argument of forward: None for fn, then "
+                                        "one per input")])
 
 
 def check_recompute(recompute: Callable) -> None:
     """recompute(fn, *inputs) returns fn(*inputs) bit for bit, keeps nothing for backward beyond its
     inputs (saved-tensor hooks), runs fn again in backward, and gives bit-equal gradients, to the
     inputs and to the parameters fn uses, for GQA attention (eager and sdpa) and decoder layers."""
-    if isinstance(recompute, type) and issubclass(recompute, torch.autograd.Function):
-        recompute = recompute.apply  # the class itself was passed: call it the way autograd does
-    answers = {CHECKPOINT_FILE: "torch.utils.checkpoint", course_recompute.__code__: "picotron.model.recompute"}
-    with Report("recompute", note="kept: bytes autograd saves for backward besides the inputs (saved-tensor hooks); "
-                                  "fn runs: in forward / in backward; gradients compared with torch.equal") \
-            as report, one_thread():
-        for name, case in RECOMPUTE_CASES:
-            plain = _run_recompute_case(case, _plain)
-            with refusing("recompute", answers):
-                try:
-                    yours, error = _run_recompute_case(case, recompute), None
-                except NotImplementedError:
-                    raise
-                except Exception as e:  # autograd's own errors: turn them into a hint
-                    yours, error = None, e
-            columns = {"case": name, "kept, plain (B)": f"{plain['kept']:,}"}
-            if yours is None:
-                report.add(False, _error_hint(error), **columns)
-                continue
-            report.add(*_recompute_verdict(plain, yours), **columns,
-                       **{"kept, yours (B)": f"{yours['kept']:,}",
-                          "fn runs": f"{yours['forward runs']}/{len(yours['backward runs'])}"},
-                       max_grad_err=_max_error(plain["grads"], yours["grads"]))
-
-
-def _max_error(expected: dict, actual: dict) -> float:
-    errors = [(actual[k] - e).abs().max().item() for k, e in expected.items() if actual.get(k) is not None]
-    return max(errors) if len(errors) == len(expected) else float("nan")
-
-
-def _error_hint(error: Exception) -> str:
-    text = str(error).strip().split("\n")[0].split(". ")[0]  # torch's first sentence says what happened
-    if "incorrect number of gradients" in text:
-        hint = "backward returns one gradient per argument of forward: None for fn, then one per input"
-    elif "backward through the graph a second time" in text:
-        hint = ("the recomputation went through the original graph as well: detach the saved inputs "
-                "(t.detach().requires_grad_(t.requires_grad)) before running fn again")
-    elif "does not require grad" in text or "does not have a grad_fn" in text:
-        hint = ("backward runs with gradients switched off: recompute fn under torch.enable_grad(), on inputs "
-                "detached from the outer graph, with requires_grad as the originals had it")
-    else:
-        hint = "see the error above it in the traceback of your code"
-    return f"{type(error).__name__}: {text} ({hint})"
-
-
-def _recompute_verdict(plain: dict, yours: dict) -> tuple[bool, str]:
-    """(ok, what is wrong) for one case."""
-    if yours["kept"] > KEPT_BYTES_ALLOWED:
-        return False, (f"autograd kept {yours['kept']:,} bytes for backward besides the inputs (without recomputation: "
-                       f"{plain['kept']:,}): forward must run fn without recording a graph and save only the inputs")
-    wrapped = plain["forward runs"]  # calls of the wrapper in this case
-    if yours["forward runs"] != wrapped or len(yours["backward runs"]) != wrapped:
-        return False, (f"fn ran {yours['forward runs']} time(s) in forward and {len(yours['backward runs'])} in "
-                       f"backward for {wrapped} call(s) of the wrapper: run it once in each (backward recomputes "
-                       "what forward did not keep)")
-    if not torch.equal(yours["out"], plain["out"]):
-        return False, "the output differs from fn(*inputs): forward must return fn's output unchanged"
-    for what, expected in plain["grads"].items():
-        got = yours["grads"].get(what)
-        if got is None:
-            return False, (f"{what} got no gradient: backpropagate through the recomputed graph with "
-                           "torch.autograd.backward(output, grad_output), which also fills the .grad of the "
-                           "parameters fn uses (torch.autograd.grad(output, inputs) returns only the inputs')")
-        if not torch.equal(got, expected):
-            if tolerance.close_enough(got, 2 * expected, n=2):   # added twice: equal up to round-off
-                return False, (f"{what}: the gradient is twice the plain one: the recomputation went through the "
-                               "original graph as well; detach the saved inputs before running fn again")
-            return False, (f"{what}: the gradient differs from the plain one by "
-                           f"{(got - expected).abs().max().item():.2e}; recompute with the same ops on the same "
-                           "inputs and return their gradients")
-    return True, ""
+    RECOMPUTE(recompute)
 
 
 # ==== 4. stretch: which layers to recompute ======================================================
@@ -461,6 +570,9 @@ PLAN_SHAPES = {  # name: (config, batch, seq)
     "sdpa MHA 4/4, 5 layers": (ModelConfig(**_PLAN, num_key_value_heads=4, num_layers=5), 2, 8),
 }
 MEMORY_TRACKING_FILE = importlib.util.find_spec("picotron.memory_tracking").origin
+PLAN_ANSWERS = {MEMORY_FILE: "picotron.memory", COSTS_FILE: "picotron.costs",
+                MEMORY_TRACKING_FILE: "picotron.memory_tracking (the check measures; you predict)",
+                DecoderLayer.forward.__code__: "a DecoderLayer (the peak comes from the shape; the check measures)"}
 
 
 class _PeakSaved(SavedActivations):
@@ -494,11 +606,18 @@ def measure_plan(config: ModelConfig, batch: int, seq: int, recomputed) -> tuple
     return end_of_forward, saved.peak
 
 
-def _every_plan(config: ModelConfig, batch: int, seq: int) -> dict[frozenset, tuple[int, int]]:
-    """measure_plan for every subset of the layers: 2^L small forward and backward passes."""
-    layers = range(config.num_layers)
-    return {frozenset(plan): measure_plan(config, batch, seq, set(plan))
-            for k in range(config.num_layers + 1) for plan in itertools.combinations(layers, k)}
+@functools.lru_cache(maxsize=None)
+def _every_plan(name: str) -> dict[frozenset, tuple[int, int]]:
+    """measure_plan for every subset of the layers of PLAN_SHAPES[name]: 2^L small forward and backward passes."""
+    config, batch, seq = PLAN_SHAPES[name]
+    with one_thread():
+        return {frozenset(plan): measure_plan(config, batch, seq, set(plan)) for k in range(config.num_layers + 1)
+                for plan in itertools.combinations(range(config.num_layers), k)}
+
+
+def _plans_of(config: ModelConfig, batch: int, seq: int) -> dict:
+    return _every_plan(next(name for name, (c, b, s) in PLAN_SHAPES.items() if (repr(c), b, s) ==
+                            (repr(config), batch, seq)))
 
 
 def _peak_plans(num_layers: int) -> list[tuple[int, ...]]:
@@ -515,108 +634,170 @@ def _budgets(peaks: list[int]) -> list[int]:
     return [*levels[::-1], between, levels[0] - 1]
 
 
+def _plan_cases() -> list[dict]:
+    shapes = [(name, config, dict(_b=batch, _s=seq, **{"b x s": f"{batch} x {seq}"}))
+              for name, (config, batch, seq) in PLAN_SHAPES.items()]
+    peaks = [dict(part="peak", shape=name, **bs, recomputed=list(plan), _config=config)
+             for name, config, bs in shapes for plan in _peak_plans(config.num_layers)]
+    return peaks + [dict(part="plan", shape=name, **bs, **{"budget (B)": budget}, _config=config)
+                    for name, config, bs in shapes
+                    for budget in _budgets([peak for _, peak in _every_plan(name).values()])]
+
+
+def _observe_plans(answers: list, cases: list) -> list:
+    refused = {**PLAN_ANSWERS, _plans_of.__code__: "the check's own measurements (checks_memory._plans_of)"}
+
+    def run(answer, case):
+        config, batch, seq = dataclasses.replace(case["_config"]), case["_b"], case["_s"]
+        if case["part"] == "peak":
+            with _refusing(PLAN, answer, refused, "peak_saved_bytes"):
+                got = answer[0](config, batch, seq, list(case["recomputed"]))
+            return {"peak returned": _kind(got), "peak": got}
+        try:
+            with _refusing(PLAN, answer, refused, "checkpoint_plan"):
+                got = answer[1](config, batch, seq, case["budget (B)"])
+        except ValueError:
+            return {"returned": "ValueError"}
+        valid = isinstance(got, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in got)
+        seen = {"returned": "a list of ints" if valid else f"a {type(got).__name__}", "plan": got}
+        if valid:
+            seen["in order"] = got == sorted(set(got)) and all(0 <= i < case["_config"].num_layers for i in got)
+        if valid and seen["in order"]:
+            seen["end of forward"], seen["its peak"] = _every_plan(case["shape"])[frozenset(got)]
+            seen["layers"] = len(got)
+        return seen
+    return [[run(answer, case) for case in cases] for answer in answers]
+
+
+def _fewest(case: dict):
+    fitting = [plan for plan, (_, peak) in _every_plan(case["shape"]).items() if peak <= case["budget (B)"]]
+    return min(map(len, fitting), default=None)
+
+
+def _expect_plans(case: dict, observed: dict) -> dict:
+    if case["part"] == "peak":
+        return {"peak returned": "an int", "peak": _every_plan(case["shape"])[frozenset(case["recomputed"])][1]}
+    if _fewest(case) is None:
+        return {"returned": "ValueError"}
+    expected = {"returned": "a list of ints", "in order": True}
+    if "its peak" in observed:   # a plan of layers, in order: it must fit, with as few layers as any plan that fits
+        budget = case["budget (B)"]
+        expected.update({"end of forward": min(observed["end of forward"], budget),
+                         "its peak": min(observed["its peak"], budget), "layers": _fewest(case)})
+    return expected
+
+
+def _plan_columns(case: dict, got: dict) -> dict:
+    if case["part"] == "peak":
+        end, peak = _every_plan(case["shape"])[frozenset(case["recomputed"])]
+        return {"end of forward (B)": end, "measured (B)": peak, "yours (B)": got["peak"]}
+    return {"fewest": _fewest(case) if _fewest(case) is not None else "none fits",
+            "yours": got.get("plan", got["returned"]), "its peak (B)": got.get("its peak", "")}
+
+
+def _right_plan(config, batch, seq, budget):
+    """The fewest layers whose measured peak fits (read off the measurements); ValueError if none fits."""
+    fitting = [sorted(plan) for plan, (_, peak) in _plans_of(config, batch, seq).items() if peak <= budget]
+    if not fitting:
+        raise ValueError(f"no plan fits in {budget} bytes")
+    return min(fitting, key=lambda plan: (len(plan), plan))
+
+
+def _right_peak(config, batch, seq, recomputed):
+    return _plans_of(config, batch, seq)[frozenset(recomputed)][1]
+
+
+def peak_end_of_forward(config, batch, seq, recomputed):   # what the layers hold when forward ends
+    return _plans_of(config, batch, seq)[frozenset(recomputed)][0]
+
+
+def peak_inputs_free(config, batch, seq, recomputed, twice=False):   # a recomputed layer keeps nothing, not its input
+    plans, n = _plans_of(config, batch, seq), config.num_layers
+    layer = plans[frozenset()][1] // n   # what a stored layer keeps, and a recomputed one, read off two measurements
+    inputs = plans[frozenset({0})][0] - (n - 1) * layer
+    kept = [inputs * twice if i in recomputed else layer for i in range(n)]
+    return max([sum(kept), *(sum(kept[:i]) + inputs * twice + layer for i in recomputed)])
+
+
+def peak_input_twice(config, batch, seq, recomputed):   # the recomputed layer's input counted besides its activations
+    return peak_inputs_free(config, batch, seq, recomputed, twice=True)
+
+
+def plan_top_layers(config, batch, seq, budget):   # the right count, the wrong end
+    plan = _right_plan(config, batch, seq, budget)
+    return list(range(config.num_layers - len(plan), config.num_layers))
+
+
+def plan_end_of_forward(config, batch, seq, budget):   # counts only what forward leaves
+    for k in range(config.num_layers + 1):
+        if peak_end_of_forward(config, batch, seq, range(k)) <= budget:
+            return list(range(k))
+    raise ValueError("no plan fits")
+
+
+def plan_strictly_under(config, batch, seq, budget):   # a plan that reaches the budget exactly fits
+    return _right_plan(config, batch, seq, budget - 1)
+
+
+def plan_none_when_nothing_fits(config, batch, seq, budget):
+    try:
+        return _right_plan(config, batch, seq, budget)
+    except ValueError:
+        return None
+
+
+def plan_top_down(config, batch, seq, budget):
+    return _right_plan(config, batch, seq, budget)[::-1]
+
+
+PLAN = Check(
+    "checkpoint_plan", observe=_observe_plans, expect=_expect_plans, cases=_plan_cases(),
+    note="measured: bytes autograd saves for backward (distinct storages, parameters and cos/sin left out), fp32, most "
+         "at once over forward and backward, for every subset of the layers recomputed",
+    columns=_plan_columns,
+    quantities={
+        "peak returned": Exact("what peak_saved_bytes returned (return an int, a number of bytes)"),
+        "peak": Exact("the most bytes saved at once over forward and backward, measured (with nothing recomputed: "
+                      "num_layers times part 2's count of one layer)"),
+        "returned": Exact("what checkpoint_plan returned: a list of layer indices (ints), or ValueError when no "
+                          "plan fits"),
+        "in order": Exact("each layer once, in increasing order, from 0 to num_layers - 1"),
+        "end of forward": Exact("what the plan's layers hold at the end of forward, against the budget (recompute "
+                                "more of them)"),
+        "its peak": Exact("the plan's measured peak, against the budget: when backward reaches a recomputed layer, its "
+                          "activations come back while every layer below it still holds its own"),
+        "layers": Exact("the layers recomputed, as few as any plan that fits needs (each recomputed layer costs one "
+                        "more forward of it)")},
+    misconceptions=[
+        Misconception((peak_end_of_forward, _right_plan),
+                      "that is what the layers hold at the end of forward; this plan's peak comes later, in backward: "
+                      "a recomputed layer's activations all come back while the layers below it still hold theirs"),
+        Misconception((peak_inputs_free, _right_plan), "a recomputed layer still keeps its input, a*b*s*h bytes, from "
+                                                       "its forward until backward reaches it"),
+        Misconception((peak_input_twice, _right_plan),
+                      "off by one layer input: in fp32 the first RMSNorm saves the layer's input itself, so while a "
+                      "layer is recomputed its input is one of the tensors it saves, not one more"),
+        Misconception((_right_peak, plan_top_layers),
+                      "the plan peaks in backward, over the budget: when backward reaches a recomputed layer, its "
+                      "activations come back while every layer below it still holds its own. Which layers can you "
+                      "recompute without that spike?"),
+        Misconception((_right_peak, plan_end_of_forward),
+                      "a plan must fit at its peak, not only at the end of forward: it peaks in backward, over the "
+                      "budget, when a recomputed layer's activations come back while every layer below it still holds "
+                      "its own"),
+        Misconception((_right_peak, plan_strictly_under), "recompute the fewest layers whose peak fits (a peak equal "
+                                                          "to the budget fits): fewer suffice, and each recomputed "
+                                                          "layer costs one more forward of it"),
+        Misconception((_right_peak, plan_none_when_nothing_fits), "no plan fits in the budget (it is under the lowest "
+                                                                  "peak of any plan): raise ValueError, do not return "
+                                                                  "None"),
+        Misconception((_right_peak, plan_top_down), "return each layer once, in increasing order, from 0 to "
+                                                    "num_layers - 1")])
+
+
 def check_checkpoint_plan(peak_saved_bytes: Callable, checkpoint_plan: Callable) -> None:
     """peak_saved_bytes(config, batch, seq, recomputed) equals the measured peak of the bytes a stack of
     decoder layers saves for backward, over forward and backward, with the layers `recomputed` wrapped;
     checkpoint_plan(config, batch, seq, budget) names the fewest layers whose measured peak fits the
     budget, and raises ValueError when no plan fits."""
-    answers = {MEMORY_FILE: "picotron.memory", COSTS_FILE: "picotron.costs",
-               MEMORY_TRACKING_FILE: "picotron.memory_tracking (the check measures; you predict)",
-               DecoderLayer.forward.__code__: "a DecoderLayer (the peak comes from the shape; the check measures)"}
-    note = ("measured: bytes autograd saves for backward (distinct storages, parameters and cos/sin left out), fp32, "
-            "most at once over forward and backward, for every subset of the layers recomputed")
-    with Report("checkpoint_plan", note=note) as report, one_thread():
-        measured = {name: _every_plan(*shape) for name, shape in PLAN_SHAPES.items()}
-        for name, (config, batch, seq) in PLAN_SHAPES.items():
-            for plan in _peak_plans(config.num_layers):
-                _, peak = measured[name][frozenset(plan)]
-                with refusing("peak_saved_bytes", answers):
-                    got = peak_saved_bytes(dataclasses.replace(config), batch, seq, list(plan))
-                ok = isinstance(got, int) and not isinstance(got, bool) and got == peak
-                detail = "" if ok else _peak_hint(measured[name], config, plan, got)
-                report.add(ok, detail, part="peak", shape=name, **{"b x s": f"{batch} x {seq}"},
-                           recomputed=list(plan), **{"measured (B)": f"{peak:,}", "yours (B)": _number(got)})
-        for name, (config, batch, seq) in PLAN_SHAPES.items():
-            peaks = measured[name]
-            for budget in _budgets([peak for _, peak in peaks.values()]):
-                fitting = [plan for plan, (_, peak) in peaks.items() if peak <= budget]
-                fewest = min(map(len, fitting), default=None)
-                with refusing("checkpoint_plan", answers):
-                    try:
-                        got, error = checkpoint_plan(dataclasses.replace(config), batch, seq, budget), None
-                    except ValueError as e:
-                        got, error = None, e
-                ok, detail = _plan_verdict(peaks, config.num_layers, budget, fewest, got, error)
-                report.add(ok, detail, part="plan", shape=name,
-                           **{"b x s": f"{batch} x {seq}", "budget (B)": f"{budget:,}"},
-                           fewest="none fits" if fewest is None else fewest,
-                           yours="ValueError" if error else _show_plan(got), **{"its peak (B)": _plan_peak(peaks, got)})
-
-
-def _show_plan(plan) -> str:
-    return repr(plan) if not isinstance(plan, list) else str(plan)
-
-
-def _plan_peak(peaks: dict, plan) -> str:
-    key = frozenset(plan) if isinstance(plan, list) and all(isinstance(i, int) for i in plan) else None
-    return f"{peaks[key][1]:,}" if key in peaks else ""
-
-
-def _layer_and_input_bytes(peaks: dict, num_layers: int) -> tuple[int, int]:
-    """(what a stored layer keeps, what a recomputed one keeps), read off two measurements."""
-    layer = peaks[frozenset()][1] // num_layers
-    return layer, peaks[frozenset({0})][0] - (num_layers - 1) * layer
-
-
-def _peak_hint(peaks: dict, config: ModelConfig, plan: tuple, got) -> str:
-    if not isinstance(got, int) or isinstance(got, bool):
-        return f"return an int, a number of bytes (got {type(got).__name__} {got!r})"
-    end, peak = peaks[frozenset(plan)]
-    _, inputs = _layer_and_input_bytes(peaks, config.num_layers)
-    if got == end and peak > end:
-        return (f"{end:,} bytes is what the layers hold at the end of forward; this plan's peak comes later, in "
-                "backward: a recomputed layer's activations all come back while the layers below it still hold theirs")
-    if got - peak == inputs:
-        return ("off by one layer input: in fp32 the first RMSNorm saves the layer's input itself, so while a layer "
-                "is recomputed its input is one of the tensors it saves, not one more")
-    if got < peak and (peak - got) % inputs == 0:
-        return ("a recomputed layer still keeps its input, a*b*s*h bytes, from its forward until backward reaches "
-                f"it (off by {got - peak:+,} bytes)")
-    if not plan:
-        return f"off by {got - peak:+,} bytes with nothing recomputed: num_layers times part 2's count of one layer"
-    return f"off by {got - peak:+,} bytes; at the end of forward this plan holds {end:,} bytes (measured)"
-
-
-def _plan_verdict(peaks: dict, num_layers: int, budget: int, fewest, got, error) -> tuple[bool, str]:
-    lowest = min(peak for _, peak in peaks.values())
-    if error is not None:
-        if fewest is None:
-            return True, ""
-        example = sorted(min((plan for plan, (_, peak) in peaks.items() if peak <= budget and len(plan) == fewest),
-                             key=sorted))
-        return False, f"ValueError, but a plan fits: {example} (measured peak {peaks[frozenset(example)][1]:,} B)"
-    nothing_fits = (f"no plan fits in {budget:,} bytes (the lowest peak of any plan is {lowest:,}): raise "
-                    f"ValueError, do not return {got!r}")
-    valid = isinstance(got, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in got)
-    if fewest is None and not valid:
-        return False, nothing_fits
-    if not valid:
-        return False, f"return a list of layer indices (ints), not {got!r}"
-    if got != sorted(set(got)) or any(i < 0 or i >= num_layers for i in got):
-        return False, f"return each layer once, in increasing order, from 0 to {num_layers - 1}: got {got}"
-    end, peak = peaks[frozenset(got)]
-    if peak > budget:
-        if peak > end:
-            return False, (f"this plan peaks at {peak:,} B in backward, over the budget: when backward reaches a "
-                           "recomputed layer, its activations come back while every layer below it still holds its "
-                           f"own ({peak - end:+,} B over the end of forward)"
-                           + (f". And {nothing_fits}" if fewest is None else
-                              ". Which layers can you recompute without that spike?"))
-        return False, (f"at the end of forward these layers hold {end:,} B, over the budget: recompute more of them"
-                       if fewest is not None else nothing_fits)
-    if len(got) > fewest:
-        example = sorted(min((plan for plan, (_, p) in peaks.items() if p <= budget and len(plan) == fewest),
-                             key=sorted))
-        return False, (f"{len(got)} layers recomputed where {fewest} suffice ({example} peaks at "
-                       f"{peaks[frozenset(example)][1]:,} B): each recomputed layer costs one more forward of it")
-    return True, ""
+    PLAN((peak_saved_bytes, checkpoint_plan))
