@@ -1,8 +1,9 @@
-"""The checks of assignment 10 pass correct answers and fail planted wrong ones.
+"""The checks of assignment 10 pass correct answers and refuse the course's own.
 
 The correct answers are written here, not taken from the solution notebook (which runs under nbval
-on its own), so a check that passes everything, or nothing, is caught. Nothing here uses
-picotron.fp8, except to see that the checks refuse it.
+on its own), so a check that passes everything, or nothing, is caught. The wrong answers are the checks'
+misconceptions, each failing with its hint (tests/test_misconceptions.py). Nothing here uses picotron.fp8,
+except to see that the checks refuse it.
 """
 
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 import torch
 
+from picotron_course import checks_fp8
 from picotron_course.checks_fp8 import (E4M3, E5M2, check_delayed_scaler, check_float8_linear, check_float8_matmul,
                                         check_rowwise, check_tensorwise)
 
@@ -118,292 +120,38 @@ def test_correct_answer_passes_quickly(check, answers, every_case):
     every_case(CASES)
 
 
-# ---- wrong answers ---------------------------------------------------------------------------------------
-def tw_inverted(x, dtype, scale=None):
-    limit = torch.finfo(dtype).max
-    scale = limit / x.abs().max().float().clamp(min=1e-12) if scale is None else 1 / scale
-    return (x.float() * scale).clamp(-limit, limit).to(dtype), scale
+# ---- answers refused, a mistake no misconception describes, and properties ---------------------------------
+# The planted wrong answers are the checks' misconceptions (checks_fp8.py), tested in test_misconceptions.py.
+class LinearOnItsBase(checks_fp8._Linear):   # the correct base the misconceptions change
+    pass
 
 
-def tw_no_clamp(x, dtype, scale=None):
-    limit = torch.finfo(dtype).max
-    scale = x.abs().max().float().clamp(min=1e-12) / limit if scale is None else scale
-    return (x.float() / scale).to(dtype), scale
-
-
-def tw_signed_max(x, dtype, scale=None):
-    limit = torch.finfo(dtype).max
-    scale = x.max().float().clamp(min=1e-12) / limit if scale is None else scale
-    return (x.float() / scale).clamp(-limit, limit).to(dtype), scale
-
-
-def tw_no_zero_guard(x, dtype, scale=None):
-    limit = torch.finfo(dtype).max
-    scale = x.abs().max().float() / limit if scale is None else scale
-    return (x.float() / scale).clamp(-limit, limit).to(dtype), scale
-
-
-def tw_e4m3_max_always(x, dtype, scale=None):
-    scale = x.abs().max().float().clamp(min=1e-12) / 448.0 if scale is None else scale
-    limit = torch.finfo(dtype).max
-    return (x.float() / scale).clamp(-limit, limit).to(dtype), scale
-
-
-def tw_float64_scale(x, dtype, scale=None):
-    q, s = quantize_tensorwise(x, dtype, scale)
-    return q, s.double()
-
-
-def tw_ignores_given_scale(x, dtype, scale=None):
-    return quantize_tensorwise(x, dtype)
-
-
-def dequantize_divides(q, scale):
-    return q.float() / scale
-
-
-def rw_per_column(x, dtype):
-    limit = torch.finfo(dtype).max
-    scale = x.abs().amax(dim=0, keepdim=True).float().clamp(min=1e-12) / limit
-    return (x.float() / scale).clamp(-limit, limit).to(dtype), scale
-
-
-def rw_no_keepdim(x, dtype):
-    limit = torch.finfo(dtype).max
-    scale = x.abs().amax(dim=-1).float().clamp(min=1e-12) / limit
-    return (x.float() / scale[:, None]).clamp(-limit, limit).to(dtype), scale
-
-
-def rw_one_scale_per_tensor(x, dtype):
-    q, s = quantize_tensorwise(x, dtype)
-    return q, s.expand(x.shape[0], 1)
-
-
-def mm_forgets_scales(a, b, quantize, a_dtype=E4M3, b_dtype=E4M3):
-    qa, _ = quantize(a, a_dtype)
-    qb, _ = quantize(b, b_dtype)
-    return qa.float() @ qb.float().t()
-
-
-def mm_quantizes_b_along_n(a, b, quantize, a_dtype=E4M3, b_dtype=E4M3):
-    qa, sa = quantize(a, a_dtype)
-    qb, sb = quantize(b.t(), b_dtype)                          # scales across the wrong dimension
-    return dequantize(qa, sa) @ dequantize(qb, sb)
-
-
-def mm_high_precision(a, b, quantize, a_dtype=E4M3, b_dtype=E4M3):
-    return a @ b.t()
-
-
-def mm_one_dtype(a, b, quantize, a_dtype=E4M3, b_dtype=E4M3):
-    return float8_matmul(a, b, quantize, a_dtype, a_dtype)
-
-
-class LinearNoReshape(Float8LinearFunction):
-    @staticmethod
-    def forward(ctx, x, weight, quantize):
-        x2 = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(x2, weight)
-        ctx.quantize, ctx.x_shape = quantize, x.shape
-        return float8_matmul(x2, weight, quantize, E4M3, E4M3)
-
-
-class LinearSavesNothing(Float8LinearFunction):
-    @staticmethod
-    def forward(ctx, x, weight, quantize):
-        return float8_matmul(x.reshape(-1, x.shape[-1]), weight, quantize).reshape(*x.shape[:-1], weight.shape[0])
-
-
-class LinearSavesQuantized(Float8LinearFunction):
-    @staticmethod
-    def forward(ctx, x, weight, quantize):
-        x2 = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(dequantize(*quantize(x2, E4M3)), dequantize(*quantize(weight, E4M3)))
-        ctx.quantize, ctx.x_shape = quantize, x.shape
-        return float8_matmul(x2, weight, quantize, E4M3, E4M3).reshape(*x.shape[:-1], weight.shape[0])
-
-
-class LinearHighPrecision(Float8LinearFunction):
-    @staticmethod
-    def forward(ctx, x, weight, quantize):
-        x2 = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(x2, weight)
-        ctx.quantize, ctx.x_shape = quantize, x.shape
-        return (x2 @ weight.t()).reshape(*x.shape[:-1], weight.shape[0])
-
-
-class LinearE5M2Forward(Float8LinearFunction):
-    @staticmethod
-    def forward(ctx, x, weight, quantize):
-        x2 = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(x2, weight)
-        ctx.quantize, ctx.x_shape = quantize, x.shape
-        return float8_matmul(x2, weight, quantize, E5M2, E5M2).reshape(*x.shape[:-1], weight.shape[0])
-
-
-class DsDynamic(DelayedScaler):
-    """Records this step's amax before choosing the scale: delayed scaling that is not delayed."""
-
-    def quantize(self, x):
-        self.history.append(x.abs().max().item())
-        self.history = self.history[-self.history_len:]
-        limit = torch.finfo(self.dtype).max
-        scale = torch.tensor(max(self.history) * 2 ** self.margin / limit, dtype=torch.float32).clamp(min=1e-12 / limit)
-        return (x.float() / scale).clamp(-limit, limit).to(self.dtype), scale
-
-
-class DsUnbounded(DelayedScaler):
-    """Keeps every amax since the start."""
-
-    def __init__(self, dtype, history_len, margin=0):
-        super().__init__(dtype, 10**9, margin)
-
-
-class DsWindowOneLonger(DelayedScaler):
-    """Keeps H + 1 amaxes."""
-
-    def __init__(self, dtype, history_len, margin=0):
-        super().__init__(dtype, history_len + 1, margin)
-
-
-class DsSaturates(DelayedScaler):
-    """Counts an overflow but keeps the delayed scale: the step saturates."""
-
-    def delayed_amax(self, amax):
-        chosen = super().delayed_amax(amax)
-        past = max(self.history[-self.history_len:], default=0.0)
-        return past if past else chosen
-
-
-class DsUncounted(DelayedScaler):
-    """Falls back on an overflow, and forgets to count it."""
-
-    def delayed_amax(self, amax):
-        chosen = super().delayed_amax(amax)
-        self.overflows = 0
-        return chosen
-
-
-class DsCountsWithoutHistory(DelayedScaler):
-    """Counts the first step (no history) as an overflow, since its amax exceeds 0."""
-
-    def delayed_amax(self, amax):
-        if not any(self.history[-self.history_len:]):
-            self.overflows += 1
-        return super().delayed_amax(amax)
-
-
-class DsMarginDivides(DelayedScaler):
-    """scale = amax / 2^margin / max: the headroom the wrong way."""
-
-    def __init__(self, dtype, history_len, margin=0):
-        super().__init__(dtype, history_len, -margin)
-
-
-class DsNoZeroGuard(DelayedScaler):
-    def quantize(self, x):
-        limit = torch.finfo(self.dtype).max
-        amax = x.abs().max().item()
-        chosen = self.delayed_amax(amax)
-        self.history.append(amax)
-        scale = torch.tensor(chosen * 2 ** self.margin / limit, dtype=torch.float32)
-        return (x.float() / scale).clamp(-limit, limit).to(self.dtype), scale
-
-
-class DsSharedHistory(DelayedScaler):
-    """The history a class attribute: every scaler appends to the same list."""
-
-    history: list = []
-    overflows = 0
-
-    def __init__(self, dtype, history_len, margin=0):
-        self.dtype, self.history_len, self.margin = dtype, history_len, margin
-
-
-class DsFloat64Scale(DelayedScaler):
-    def quantize(self, x):
-        q, scale = super().quantize(x)
-        return q, scale.double()
-
-
-WRONG_ANSWERS = [
-    (check_tensorwise, (tw_inverted, dequantize), "inverted"),
-    (check_tensorwise, (tw_no_clamp, dequantize), "clamp"),
-    (check_tensorwise, (tw_signed_max, dequantize), "amax of |x|"),
-    (check_tensorwise, (tw_no_zero_guard, dequantize), "scale differs"),
-    (check_tensorwise, (tw_e4m3_max_always, dequantize), "this\\* format"),
-    (check_tensorwise, (tw_float64_scale, dequantize), "float32"),
-    (check_tensorwise, (tw_ignores_given_scale, dequantize), "scale differs"),
-    (check_tensorwise, (quantize_tensorwise, dequantize_divides), "not q \\* scale"),
-    (check_rowwise, (rw_per_column, dequantize), "shape"),
-    (check_rowwise, (rw_no_keepdim, dequantize), "shape"),
-    (check_rowwise, (rw_one_scale_per_tensor, dequantize), "scale differs"),
-    (check_rowwise, (quantize_rowwise, dequantize_divides), "not q \\* scale"),
-    (check_float8_matmul, (mm_forgets_scales,), "dequantized"),
-    (check_float8_matmul, (mm_quantizes_b_along_n,), "along K"),
-    (check_float8_matmul, (mm_high_precision,), "dequantized"),
-    (check_float8_matmul, (mm_one_dtype,), "float8_matmul"),
-    (check_float8_linear, (LinearNoReshape,), "leading dimensions"),
-    (check_float8_linear, (LinearSavesNothing,), "saved_tensors"),
-    (check_float8_linear, (LinearSavesQuantized,), "before any quantization"),
-    (check_float8_linear, (LinearHighPrecision,), "e4m3 copies"),
-    (check_float8_linear, (LinearE5M2Forward,), "e4m3 copies"),
-    (check_delayed_scaler, (DsDynamic,), "joined the history before the scale was chosen"),
-    (check_delayed_scaler, (DsUnbounded,), "keep only the last history_len"),
-    (check_delayed_scaler, (DsWindowOneLonger,), "last 5 steps: the history holds the last history_len = 4"),
-    (check_delayed_scaler, (DsSaturates,), "count an overflow and use this step's own amax"),
-    (check_delayed_scaler, (DsUncounted,), "overflows is 0 after step 8"),
-    (check_delayed_scaler, (DsCountsWithoutHistory,), "a step without history never overflows"),
-    (check_delayed_scaler, (DsMarginDivides,), "the margin divides"),
-    (check_delayed_scaler, (DsNoZeroGuard,), "positive scale"),
-    (check_delayed_scaler, (DsSharedHistory,), "no history yet"),
-    (check_delayed_scaler, (DsFloat64Scale,), "one float32 number"),
-]
-
-
-def _wrong_id(answers) -> str:
-    return "+".join(getattr(a, "__name__", "?") for a in answers)
-
-
-@pytest.mark.parametrize("check, answers, says", WRONG_ANSWERS, ids=[_wrong_id(a) for _, a, _ in WRONG_ANSWERS])
-def test_wrong_answer_fails(check, answers, says, capsys):
-    with pytest.raises(AssertionError, match=says):
-        check(*answers)
-    assert "FAIL" in capsys.readouterr().out
-
-
-def test_the_course_answer_is_refused():
-    from picotron.fp8 import dequantize as course_dequantize
-    from picotron.fp8 import quantize as course_quantize
-    with pytest.raises(AssertionError, match="course's answer"):
-        check_tensorwise(course_quantize, course_dequantize)
-
-
-def test_the_course_delayed_scales_are_refused():
-    from picotron.fp8 import DelayedScales
+def test_the_course_answer_is_refused(capsys):
+    from picotron.fp8 import DelayedScales, dequantize, quantize
 
     class Scaler(DelayedScales):
         def __init__(self, dtype, history_len, margin=0):
             super().__init__(history_len)
 
-    with pytest.raises(AssertionError, match="course's answer"):
-        check_delayed_scaler(Scaler)
+    for check, answers in [(check_tensorwise, (quantize, dequantize)), (check_delayed_scaler, (Scaler,)),
+                           (check_float8_linear, (LinearOnItsBase,)), (check_delayed_scaler, (checks_fp8._Scaler,))]:
+        with pytest.raises(AssertionError, match="course's answer"):
+            check(*answers)
+    assert "FAIL" not in capsys.readouterr().out   # refused before a table is printed
+
+
+def test_a_mistake_no_misconception_describes_gets_the_difference_without_a_hint(capsys):
+    with pytest.raises(AssertionError, match=r"the scale: amax of \|x\|") as error:   # a scale twice too large
+        check_tensorwise(lambda x, dtype, scale=None: (lambda q, s: (q, 2 * s))(*quantize_tensorwise(x, dtype, scale)),
+                         dequantize)
+    assert "Hint" not in str(error.value) and "hint:" not in capsys.readouterr().out
 
 
 def test_two_scalers_sharing_a_history_fail_even_when_each_sequence_passes(capsys):
-    """A scaler whose history is shared only between instances made in a row: the planted sequences (one
-    scaler each, the shared list cleared by each new one) pass; the interleaved pair does not."""
-
-    class ClearedShared(DelayedScaler):
-        shared: list = []
-
-        def __init__(self, dtype, history_len, margin=0):
-            super().__init__(dtype, history_len, margin)
-            ClearedShared.shared.clear()
-            self.history = ClearedShared.shared
-
+    """A history shared only by the scalers alive together: the planted sequences (one scaler each) pass, the
+    interleaved pair does not."""
     with pytest.raises(AssertionError, match="share their history"):
-        check_delayed_scaler(ClearedShared)
+        check_delayed_scaler(checks_fp8.DsSharedWhileAlive)
     out = capsys.readouterr().out
     assert out.count(" ok") == 5 and "two scalers, interleaved" in out
 
