@@ -37,9 +37,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from picotron.costs import training_flops_per_token
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from picotron.layout import validate
-from picotron_course.checks import Report, on_ranks, refusing
+from picotron_course.checks import on_ranks, refusing
+from picotron_course.engine import CHECKS, Check, Exact, Misconception, Quantity, named
 from picotron.memory import (
     GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage, parameters_on_rank,
     state_bytes_on_rank)
@@ -48,7 +50,7 @@ from picotron.parallel.context_parallel_costs import cp_comm_bytes_per_layer
 from picotron.parallel.pipeline_schedules import bubble_formula, simulate
 from picotron.parallel.tensor_parallel_costs import tp_comm_bytes_per_layer
 from picotron.parallel.zero import ring_bytes, zero_comm_bytes
-from picotron.planner import ClusterSpec, Plan, PlanEstimate, estimate_plan, group_link, search
+from picotron.planner import ASSUMED_MFU, ClusterSpec, Plan, PlanEstimate, estimate_plan, group_link, search
 
 __all__ = ["Layout", "plan_of", "is_valid", "layout_name", "check_params_on_first_stage", "check_memory_per_gpu",
            "check_step_time", "check_best_layout", "check_step_time_cp", "candidate_layouts", "first_stage_fits",
@@ -154,65 +156,118 @@ RUN_CASES = [("dp2 tp2 +SP", Layout(tp=2, dp=2, micro_batch_size=2), 16),
 RUN_SEQ = 32
 
 
+
+# ==== how an answer is run and its numbers compared ==============================================
+def _guarded(check: Check, answer, refused: dict):
+    """refusing(refused) around a call of `answer`, unless it is one of the check's misconceptions (they call
+    picotron's estimates to be the right value off by their mistake's cost)."""
+    return refusing(check.title, {} if any(answer == m.answer for m in check.misconceptions) else refused)
+
+
+def _kind(value) -> str:
+    return "a number" if isinstance(value, (int, float)) else f"a {type(value).__name__}"
+
+
+@dataclass(frozen=True)
+class Near(Quantity):
+    """A number near picotron's: |got - want| <= rel * max(want, floor) with a floor (bytes), else
+    |got / want - 1| < rel (seconds, a measured total)."""
+    rel: float = 0.0
+    floor: float = 0.0
+
+    def equal(self, got, want) -> bool:
+        want = want["total"] if isinstance(want, dict) else want
+        if not isinstance(got, (int, float)) or not isinstance(want, (int, float)):
+            return got == want
+        return abs(got - want) <= self.rel * max(want, self.floor) if self.floor else abs(got / want - 1) < self.rel
+
+    def shown(self, got, want) -> str:
+        return f"expected {want:,}, got {got:,}" if isinstance(got, (int, float)) else super().shown(got, want)
+
+
+def _off(name: str, value: Callable, off: Callable) -> Callable:
+    """A wrong answer: picotron's value, off by off(value, *arguments) (the mistake's cost)."""
+    def answer(*args):
+        right = value(*args)
+        return off(right, *args)
+    answer.__name__ = answer.__qualname__ = name
+    return answer
+
+
+# ==== 1. the parameters of the first stage ======================================================
+def _params(model: ModelConfig, layout: Layout) -> int:
+    return parameters_on_rank(model, plan_of(layout).parallel, 0).total
+
+
+class _Count(Exact):
+    def shown(self, got, want) -> str:
+        return f"off by {got - want:+,} (expected {want:,}, got {got:,})" if isinstance(got, int) else \
+            super().shown(got, want)
+
+
+def _observe_params(answers: list, cases: list) -> list:
+    def one(answer, case):
+        with _guarded(PARAMS, answer, ANSWERS):
+            got = answer(dataclasses.replace(case["_model"]), case["_layout"])
+        return {"returned": "an int" if isinstance(got, int) else f"a {type(got).__name__}", "count": got}
+    return [[one(answer, case) for case in cases] for answer in answers]
+
+
+def _params_off(name: str, off: Callable) -> Callable:
+    return _off(name, _params, lambda right, model, layout: right + off(model, layout))
+
+
+def _vocab(model: ModelConfig, layout: Layout) -> int:
+    return model.vocab_size * model.hidden_size // layout.tp
+
+
+def _floor_layers(model: ModelConfig, layout: Layout) -> int:
+    return _params(dataclasses.replace(model, num_layers=model.num_layers // layout.pp * layout.pp), layout)
+
+
+PARAMS = Check(
+    "params_on_first_stage", observe=_observe_params, note="expected: memory.parameters_on_rank(model, parallel, "
+                                                            "pp_rank=0)",
+    cases=[dict(case=name, _model=model, _layout=layout) for name, model, layout, _, _ in MEMORY_CASES],
+    expect=lambda case, got: {"returned": "an int", "count": _params(case["_model"], case["_layout"])},
+    columns=lambda case, got: {"expected": f"{_params(case['_model'], case['_layout']):,}",
+                               "yours": f"{got['count']:,}" if isinstance(got["count"], int) else repr(got["count"])},
+    quantities={"returned": Exact("what params_on_first_stage returned (return an int)"),
+                "count": _Count("the parameters on a first-stage GPU (it holds layers 0..ceil(L/pp)-1: picotron gives "
+                                "the extra layers to the first stages; each with q, k, v, o and the MLP / tp and two "
+                                "whole norms; and the embedding)")},
+    misconceptions=[
+        Misconception(_off("params_float", _params, lambda right, *_: float(right)), "return an int"),
+        Misconception(_params_off("params_with_the_head_everywhere", lambda m, l: _vocab(m, l) if l.pp > 1 else 0),
+                      "the first stage holds the embedding but not the LM head (with pp > 1 the head lives on the "
+                      "last stage; with pp = 1 and tied embeddings it is the embedding itself)"),
+        Misconception(_params_off("params_without_the_embedding", lambda m, l: -_vocab(m, l)),
+                      "the embedding (vocab / tp rows of hidden) is missing"),
+        Misconception(_params_off("params_final_norm_on_the_first_stage",
+                                  lambda m, l: m.hidden_size if l.pp > 1 else 0),
+                      "the final RMSNorm lives on the last stage"),
+        Misconception(_params_off("params_norms_split_by_tp", lambda m, l: -2 * -(-m.num_layers // l.pp)
+                                  * m.hidden_size * (l.tp - 1) // l.tp),
+                      "the RMSNorm weights are not split by tp: every tp rank keeps them whole"),
+        Misconception(_off("params_floor_layers", _floor_layers, lambda right, *_: right),
+                      "picotron gives the extra layers to the first stages: the first stage holds layers "
+                      "0..ceil(L/pp)-1, not floor(L/pp)")])
+
+
 def check_params_on_first_stage(params_on_first_stage: Callable[[ModelConfig, Layout], int]) -> None:
     """params_on_first_stage(model, layout): parameters on a GPU of the first pipeline stage, exactly."""
-    with Report("params_on_first_stage", note="expected: memory.parameters_on_rank(model, parallel, pp_rank=0)") \
-            as report:
-        for name, model, layout, _, _ in MEMORY_CASES:
-            expected = parameters_on_rank(model, plan_of(layout).parallel, 0).total
-            with refusing("params_on_first_stage", ANSWERS):
-                got = params_on_first_stage(dataclasses.replace(model), layout)
-            ok = isinstance(got, int) and got == expected
-            report.add(ok, "" if ok else _params_hint(model, layout, got, expected), case=name,
-                       expected=f"{expected:,}", yours=f"{got:,}" if isinstance(got, int) else repr(got))
+    PARAMS(params_on_first_stage)
 
 
-def _params_hint(model: ModelConfig, layout: Layout, got, expected: int) -> str:
-    if not isinstance(got, int):
-        return f"return an int (got {type(got).__name__})"
-    h, vocab = model.hidden_size, model.vocab_size * model.hidden_size // layout.tp
-    layers = -(-model.num_layers // layout.pp)
-    hints = [(vocab, "the first stage holds the embedding but not the LM head (with pp > 1 the head lives on the "
-                     "last stage; with pp = 1 and tied embeddings it is the embedding itself)"),
-             (-vocab, "the embedding (vocab / tp rows of hidden) is missing"),
-             (h, "the final RMSNorm lives on the last stage"),
-             (-2 * layers * h * (layout.tp - 1) // layout.tp,
-              "the RMSNorm weights are not split by tp: every tp rank keeps them whole")]
-    for difference, hint in hints:
-        if difference and got - expected == difference:
-            return f"off by {got - expected:+,}: {hint}"
-    return (f"off by {got - expected:+,}: the first stage holds layers 0..ceil(L/pp)-1 (picotron gives the extra "
-            f"layers to the first stages), each with q, k, v, o and the MLP / tp and two whole norms, and the "
-            f"embedding")
+# ==== 2. the memory of a first-stage GPU ========================================================
+PARTS = ("parameters", "gradients", "optimizer state", "activations")
 
 
-def check_memory_per_gpu(memory_per_gpu: Callable) -> None:
-    """memory_per_gpu(model, layout, seq_len, global_batch, precision) -> dict of bytes on a first-stage GPU."""
-    parts = ("parameters", "gradients", "optimizer state", "activations")
-    with Report("memory_per_gpu", note="expected: estimate_memory(pp_rank=0); 'measured': the trainer on 4 CPU "
-                                       "ranks, fp32, the first stage's rank") as report:
-        for name, model, layout, seq, batch in MEMORY_CASES:
-            for precision in (("bf16-mixed", "fp32") if layout.gpus == 1 else ("bf16-mixed",)):
-                expected = _expected_memory(model, layout, seq, batch, precision)
-                with refusing("memory_per_gpu", ANSWERS):
-                    got = memory_per_gpu(dataclasses.replace(model), layout, seq, batch, precision)
-                detail = _memory_problem(got, expected, parts)
-                total = sum(got.values()) if isinstance(got, dict) and all(p in got for p in parts) else math.nan
-                report.add(not detail, detail, case=name, precision=precision,
-                           **{"expected GiB": f"{sum(expected.values()) / GiB:.3f}",
-                              "yours GiB": f"{total / GiB:.3f}" if total == total else "?"})
-        measured = on_ranks(_run_on_rank, 4)
-        for (name, layout, batch) in RUN_CASES:
-            first = max((rank[name] for rank in measured if rank[name]["pp_rank"] == 0), key=lambda r: r["total"])
-            with refusing("memory_per_gpu", ANSWERS):
-                got = memory_per_gpu(dataclasses.replace(RUN_MODEL), layout, RUN_SEQ, batch, "fp32")
-            total = sum(got.values()) if isinstance(got, dict) else math.nan
-            ok = isinstance(got, dict) and abs(total / first["total"] - 1) < 0.02
-            detail = "" if ok else (f"a real run holds {first['total']:,} bytes on its first pipeline stage (state "
-                                    f"{first['state']:,}, peak saved activations {first['activations']:,}); yours "
-                                    f"{total:,.0f}")
-            report.add(ok, detail, case=f"measured: {name}", precision="fp32",
-                       **{"expected GiB": f"{first['total'] / GiB:.4f}", "yours GiB": f"{total / GiB:.4f}"})
+class _Measured(Near):
+    def shown(self, got, want) -> str:
+        yours = f"{got:,.0f}" if isinstance(got, (int, float)) else repr(got)
+        return (f"a real run holds {want['total']:,} bytes on its first pipeline stage (state {want['state']:,}, "
+                f"peak saved activations {want['activations']:,}); yours {yours}")
 
 
 def _expected_memory(model: ModelConfig, layout: Layout, seq: int, batch: int, precision: str) -> dict:
@@ -225,19 +280,77 @@ def _expected_memory(model: ModelConfig, layout: Layout, seq: int, batch: int, p
             "activations": memory.activations}
 
 
-def _memory_problem(got, expected: dict, parts: tuple) -> str:
-    if not isinstance(got, dict) or any(p not in got for p in parts):
-        return f"return a dict with the keys {list(parts)} (bytes each)"
-    for part in parts:
-        tolerance = 0.02 if part == "activations" else 0.005
-        if not abs(got[part] - expected[part]) <= tolerance * max(expected[part], 1):
-            hint = {"activations": "a layer's saved bytes (given) x the first stage's layers x the micro-batches in "
-                                   "flight (min(pp, m) under 1F1B), plus, with pp = 1, the final norm and the loss",
-                    "optimizer state": "12 bytes per parameter in bf16-mixed (8 in fp32), divided by dp from ZeRO-1 on",
-                    "gradients": "divided by dp from ZeRO-2 on",
-                    "parameters": "divided by dp at ZeRO-3 only"}[part]
-            return f"{part}: expected {expected[part]:,}, got {got[part]:,} ({hint})"
-    return ""
+def _observe_memory(answers: list, cases: list) -> list:
+    measured = on_ranks(_run_on_rank, 4) if any("_run" in case for case in cases) else []   # once a call
+
+    def one(answer, case):
+        with _guarded(MEMORY, answer, ANSWERS):
+            got = answer(dataclasses.replace(case["_model"]), case["_layout"], case["_seq"], case["_batch"],
+                         case["precision"])
+        whole = isinstance(got, dict) and all(part in got for part in PARTS)
+        out = {"returned": "a dict of the four parts" if whole else _kind(got)} | (got if whole else {})
+        if "_run" in case:
+            out["measured"] = max((rank[case["_run"]] for rank in measured if rank[case["_run"]]["pp_rank"] == 0),
+                                  key=lambda r: r["total"])
+            out["total"] = sum(got.values()) if isinstance(got, dict) else math.nan
+        return out
+    return [[one(answer, case) for case in cases] for answer in answers]
+
+
+def _memory_wanted(case: dict, got: dict) -> dict:
+    if "_run" in case:
+        return {"returned": "a dict of the four parts", "total": got["measured"]}
+    return {"returned": "a dict of the four parts", **_expected_memory(case["_model"], case["_layout"], case["_seq"],
+                                                                       case["_batch"], case["precision"])}
+
+
+def _memory_off(name: str, off: Callable) -> Callable:
+    return _off(name, lambda *args: _expected_memory(*args), lambda right, *args: right | off(right, *args))
+
+
+def _in_flight(layout: Layout, batch: int) -> int:
+    return min(layout.pp, batch // (layout.dp * layout.micro_batch_size)) if layout.pp > 1 else 1
+
+
+MEMORY = Check(
+    "memory_per_gpu", observe=_observe_memory, expect=_memory_wanted,
+    note="expected: estimate_memory(pp_rank=0); 'measured': the trainer on 4 CPU ranks, fp32, the first stage's rank",
+    cases=[dict(case=name, precision=precision, _model=model, _layout=layout, _seq=seq, _batch=batch)
+           for name, model, layout, seq, batch in MEMORY_CASES
+           for precision in (("bf16-mixed", "fp32") if layout.gpus == 1 else ("bf16-mixed",))]
+    + [dict(case=f"measured: {name}", precision="fp32", _model=RUN_MODEL, _layout=layout, _seq=RUN_SEQ, _batch=batch,
+            _run=name) for name, layout, batch in RUN_CASES],
+    columns=lambda case, got: {"expected GiB": f"{sum(_memory_wanted(case, got)[p] for p in PARTS) / GiB:.3f}"
+                               if "_run" not in case else f"{got['measured']['total'] / GiB:.4f}",
+                               "yours GiB": f"{sum(got[p] for p in PARTS) / GiB:.3f}" if "parameters" in got else "?"},
+    quantities={"returned": Exact(f"what memory_per_gpu returned (return a dict with the keys {list(PARTS)}, bytes "
+                                  f"each)"),
+                "parameters": Near("parameters (divided by dp at ZeRO-3 only)", rel=0.005, floor=1),
+                "gradients": Near("gradients (divided by dp from ZeRO-2 on)", rel=0.005, floor=1),
+                "optimizer state": Near("optimizer state (12 bytes per parameter in bf16-mixed, 8 in fp32, divided by "
+                                        "dp from ZeRO-1 on)", rel=0.005, floor=1),
+                "activations": Near("activations (a layer's saved bytes (given) x the first stage's layers x the "
+                                    "micro-batches in flight (min(pp, m) under 1F1B), plus, with pp = 1, the final "
+                                    "norm and the loss)", rel=0.02, floor=1),
+                "total": _Measured("the memory of a real run", rel=0.02)},
+    misconceptions=[
+        Misconception(_memory_off("memory_without_zero", lambda right, model, layout, *rest: _expected_memory(
+            model, dataclasses.replace(layout, zero_stage=0), *rest)),
+                      "ZeRO divides by dp: the optimizer state from ZeRO-1 on, the gradients from ZeRO-2 on, the "
+                      "parameters at ZeRO-3"),
+        Misconception(_memory_off("memory_one_micro_batch_in_flight", lambda right, model, layout, seq, batch, _: {
+            "activations": right["activations"] // _in_flight(layout, batch)}),
+                      "under 1F1B the first stage holds the activations of min(pp, m) micro-batches in flight, not "
+                      "one"),
+        Misconception(_memory_off("memory_fp32_optimizer_always", lambda right, *args: {
+            "optimizer state": right["optimizer state"] * 8 // (12 if args[-1] == "bf16-mixed" else 8)}),
+                      "the optimizer state takes 12 bytes per parameter in bf16-mixed (fp32 master weights, m and "
+                      "v), 8 in fp32")])
+
+
+def check_memory_per_gpu(memory_per_gpu: Callable) -> None:
+    """memory_per_gpu(model, layout, seq_len, global_batch, precision) -> dict of bytes on a first-stage GPU."""
+    MEMORY(memory_per_gpu)
 
 
 def _run_on_rank() -> dict:
@@ -294,34 +407,92 @@ def planner_step_time(model: ModelConfig, layout: Layout, cluster: ClusterSpec, 
     return sum(time.values()), time
 
 
+
+
+class _Seconds(float):
+    """The planner's seconds per step, with its parts."""
+    parts: dict = {}
+
+
+class StepTime(Near):
+    """Seconds within 1% of the planner's; a difference names the planner's parts, and the part it is about."""
+
+    def shown(self, got, want) -> str:
+        parts = getattr(want, "parts", {})
+        text = f"expected {want:.4g} s, got " + (f"{got:.4g} s" if isinstance(got, (int, float)) else repr(got))
+        text += "; the planner's parts: " + ", ".join(f"{k} {v:.4g} s" for k, v in parts.items() if v)
+        for name, seconds in parts.items() if isinstance(got, (int, float)) else ():
+            if seconds and abs((want - got) / seconds - 1) < 0.02:
+                return text + f"; yours lacks about the {name} part"
+            if seconds and abs((got - want) / seconds - 1) < 0.02:
+                return text + f"; yours counts the {name} part twice"
+        return text
+
+
+def _planner_seconds(model, layout, cluster, seq, batch) -> _Seconds:
+    total, parts = planner_step_time(model, layout, cluster, seq, batch)
+    seconds = _Seconds(total)
+    seconds.parts = parts
+    return seconds
+
+
+def _observe_times(check: Callable) -> Callable:
+    def observe(answers: list, cases: list) -> list:
+        def one(answer, case):
+            with _guarded(check(), answer, TIME_ANSWERS):
+                got = answer(dataclasses.replace(case["_model"]), case["_layout"], case["_cluster"], case["_seq"],
+                             case["_batch"])
+            return {"returned": _kind(got), "seconds": got}
+        return [[one(answer, case) for case in cases] for answer in answers]
+    return observe
+
+
+def _time_check(title: str, cases: list, says: str, misconceptions: list) -> Check:
+    return Check(
+        title, observe=_observe_times(lambda: next(c for c in CHECKS if c.title == title)),
+        note="expected: planner.estimate_plan(..., overlap=False), without the stage-to-stage sends; bf16-mixed, "
+             "kernels at ASSUMED_MFU of peak",
+        cases=[dict(case=name, _model=model, _layout=layout, _cluster=cluster, _seq=seq, _batch=batch)
+               for name, model, layout, cluster, seq, batch in cases],
+        expect=lambda case, got: {"returned": "a number", "seconds": _time_of(case)},
+        columns=lambda case, got: {"expected (s)": f"{_time_of(case):.4g}", "yours (s)": f"{got['seconds']:.4g}"
+                                   if got["returned"] == "a number" else "?"},
+        quantities={"returned": Exact(f"what {title} returned (return a float, seconds)"),
+                    "seconds": StepTime(says, rel=0.01)},
+        misconceptions=misconceptions)
+
+
+def _time_of(case: dict) -> _Seconds:
+    return _planner_seconds(case["_model"], case["_layout"], case["_cluster"], case["_seq"], case["_batch"])
+
+
+def _time_off(name: str, off: Callable) -> Callable:
+    """A wrong step time: the planner's, off by off(seconds with .parts, model, layout, cluster, seq, batch)."""
+    return _off(name, _planner_seconds, lambda right, *args: right + off(right, *args))
+
+
+def _recomputed(right, model, layout, cluster, seq, batch) -> float:
+    if layout.recompute == "none":
+        return 0.0
+    return planner_step_time(model, dataclasses.replace(layout, recompute="none"), cluster, seq, batch)[0] - right
+
+
+STEP_TIME = _time_check("step_time", TIME_CASES, "seconds per step (compute, recomputation, tp on the critical "
+                        "path, the 1F1B bubble, the dp / ZeRO traffic at the bandwidth of the links it crosses)", [
+    Misconception(_time_off("time_without_bubble", lambda right, *args: -right.parts.get("bubble", 0.0)),
+                  "1F1B leaves each stage idle (pp - 1) / (m + pp - 1) of the step: count the bubble"),
+    Misconception(_time_off("time_tp_over_the_network", lambda right, model, layout, cluster, seq, batch:
+                            planner_step_time(model, layout, dataclasses.replace(
+                                cluster, intra_node_bandwidth=cluster.inter_node_bandwidth), seq, batch)[0] - right),
+                  "a group inside a node talks over NVLink (intra_node_bandwidth); only a group that spans nodes "
+                  "crosses the network (inter_node_bandwidth)"),
+    Misconception(_time_off("time_forgets_recomputation", _recomputed),
+                  "recompute='full' reruns each layer's forward in backward, tp collectives included: count it")])
+
+
 def check_step_time(step_time: Callable) -> None:
     """step_time(model, layout, cluster, seq_len, global_batch) -> seconds per optimizer step, no overlap."""
-    _check_times("step_time", step_time, TIME_CASES)
-
-
-def _check_times(title: str, step_time: Callable, cases: list) -> None:
-    with Report(title, note="expected: planner.estimate_plan(..., overlap=False), without the stage-to-stage "
-                            "sends; bf16-mixed, kernels at ASSUMED_MFU of peak") as report:
-        for name, model, layout, cluster, seq, batch in cases:
-            expected, parts = planner_step_time(model, layout, cluster, seq, batch)
-            with refusing(title, TIME_ANSWERS):
-                got = step_time(dataclasses.replace(model), layout, cluster, seq, batch)
-            ok = isinstance(got, (int, float)) and abs(got / expected - 1) < 0.01
-            detail = "" if ok else ("the planner's parts: " + ", ".join(f"{k} {v:.4g} s" for k, v in parts.items()
-                                                                        if v) + _time_hint(parts, got, expected))
-            report.add(ok, detail, case=name, **{"expected (s)": f"{expected:.4g}",
-                                                 "yours (s)": f"{got:.4g}" if isinstance(got, (int, float)) else "?"})
-
-
-def _time_hint(parts: dict, got, expected: float) -> str:
-    if not isinstance(got, (int, float)):
-        return "; return a float, seconds"
-    for name, seconds in parts.items():
-        if seconds and abs((expected - got) / seconds - 1) < 0.02:
-            return f"; yours lacks about the {name} part"
-        if seconds and abs((got - expected) / seconds - 1) < 0.02:
-            return f"; yours counts the {name} part twice"
-    return ""
+    STEP_TIME(step_time)
 
 
 # ==== the best layout =============================================================================
@@ -381,33 +552,103 @@ def fastest_layout(model: ModelConfig, cluster: ClusterSpec, seq_len: int, globa
     return layout, estimate, seconds
 
 
+
+
+_PRICED: dict = {}   # by case: every candidate's first-stage bytes and seconds (fixed numbers: once a process)
+
+
+def _priced(case: dict) -> dict:
+    if case["case"] not in _PRICED:
+        model, cluster, seq, batch = case["_model"], case["_cluster"], case["_seq"], case["_batch"]
+        _PRICED[case["case"]] = {layout: (_first_stage_bytes(model, layout, seq, batch),
+                                          planner_step_time(model, layout, cluster, seq, batch)[0])
+                                 for layout in candidate_layouts(model, cluster, seq, batch)}
+    return _PRICED[case["case"]]
+
+
+class _Step(float):
+    """A layout's seconds a step; `fastest` names the fastest layout that fits (on the expected value)."""
+    name: str = ""
+    fastest: str = ""
+
+
+class AsFast(Quantity):
+    """As fast as the fastest layout that fits (within 1%); two answers' layouts are the same mistake when equal."""
+
+    def equal(self, got, want) -> bool:
+        if not want.fastest:   # another answer's layout
+            return getattr(got, "name", None) == want.name
+        return isinstance(got, float) and got <= want * 1.01
+
+    def shown(self, got, want) -> str:
+        if not isinstance(got, _Step):
+            return super().shown(got, want)
+        return f"{got.name} takes {got:.3f} s a step; {want.fastest} fits and takes {want:.3f} s"
+
+
+class _Told(Exact):
+    def shown(self, got, want) -> str:
+        return str(got)
+
+
+def _observe_best(answers: list, cases: list) -> list:
+    def one(answer, case):
+        priced, cluster = _priced(case), case["_cluster"]
+        with _guarded(BEST, answer, ANSWERS):
+            got = answer(dataclasses.replace(case["_model"]), cluster, case["_seq"], case["_batch"])
+        if got not in priced:
+            return {"returned": f"{got!r}"[:60]}
+        memory, seconds = priced[got]
+        step = _Step(seconds)
+        step.name = layout_name(got)
+        return {"returned": "one of candidate_layouts", "fits": "fits" if memory <= 0.9 * cluster.gpu_memory else (
+            f"{layout_name(got)} needs {memory / GiB:.1f} GiB on a first-stage GPU, more than 90% of "
+            f"{cluster.gpu_memory / 1e9:.0f} GB"), "seconds": step}
+    return [[one(answer, case) for case in cases] for answer in answers]
+
+
+def _fastest(case: dict) -> _Step:
+    limit = 0.9 * case["_cluster"].gpu_memory
+    seconds, layout = min(((t, layout) for layout, (memory, t) in _priced(case).items() if memory <= limit),
+                          key=lambda x: x[0])
+    step = _Step(seconds)
+    step.name = step.fastest = layout_name(layout)
+    return step
+
+
+def best_ignores_memory(model, cluster, seq, batch):
+    return min(candidate_layouts(model, cluster, seq, batch),
+               key=lambda layout: planner_step_time(model, layout, cluster, seq, batch)[0])
+
+
+def best_always_data_parallel(model, cluster, seq, batch):
+    return Layout(dp=cluster.num_gpus, zero_stage=2, recompute="full")
+
+
+BEST = Check(
+    "best_layout", observe=_observe_best,
+    note="expected: the planner's fastest layout of candidate_layouts whose first stage fits in 90% of a GPU "
+         "(overlap=False, sends left out); yours must fit and be as fast (1%)",
+    cases=[dict(case=name, _model=model, _cluster=cluster, _seq=seq, _batch=batch)
+           for name, model, cluster, seq, batch in BEST_CASES],
+    expect=lambda case, got: {"returned": "one of candidate_layouts", "fits": "fits", "seconds": _fastest(case)},
+    columns=lambda case, got: {"expected": _fastest(case).name, "yours": getattr(got.get("seconds"), "name", "?"),
+                               "your step (s)": f"{got['seconds']:.3f}" if "seconds" in got else "?",
+                               "fastest (s)": f"{_fastest(case):.3f}"},
+    quantities={"returned": Exact("what best_layout returned (return one of candidate_layouts(...), a Layout)"),
+                "fits": _Told("whether its first stage fits in 90% of a GPU's memory"),
+                "seconds": AsFast("its seconds a step, by the planner")},
+    misconceptions=[
+        Misconception(best_ignores_memory, "the fastest layout may not fit: keep only the layouts whose first "
+                                            "stage (memory_per_gpu, summed) is within 90% of the GPU's memory"),
+        Misconception(best_always_data_parallel, "pure data parallelism is not always fastest: price every layout "
+                                                  "of candidate_layouts with step_time and return the fastest that "
+                                                  "fits")])
+
+
 def check_best_layout(best_layout: Callable) -> None:
     """best_layout(model, cluster, seq_len, global_batch) -> the fastest Layout that fits, among candidate_layouts."""
-    with Report("best_layout", note="expected: the planner's fastest layout of candidate_layouts whose first stage "
-                                    "fits in 90% of a GPU (overlap=False, sends left out); yours must fit and be as "
-                                    "fast (1%)") as report:
-        for name, model, cluster, seq, batch in BEST_CASES:
-            priced = {layout: (_first_stage_bytes(model, layout, seq, batch),
-                               planner_step_time(model, layout, cluster, seq, batch)[0])
-                      for layout in candidate_layouts(model, cluster, seq, batch)}
-            limit = 0.9 * cluster.gpu_memory
-            fastest = min(((t, layout) for layout, (memory, t) in priced.items() if memory <= limit),
-                          key=lambda x: x[0])
-            with refusing("best_layout", ANSWERS):
-                got = best_layout(dataclasses.replace(model), cluster, seq, batch)
-            if got not in priced:
-                report.add(False, f"return one of candidate_layouts(...), a Layout (got {got!r})", case=name,
-                           expected=layout_name(fastest[1]), yours=repr(got)[:40])
-                continue
-            memory, seconds = priced[got]
-            fits = memory <= limit
-            ok = fits and seconds <= fastest[0] * 1.01
-            detail = "" if ok else (f"{layout_name(got)} needs {memory / GiB:.1f} GiB on a first-stage GPU, more "
-                                    f"than 90% of {cluster.gpu_memory / 1e9:.0f} GB" if not fits else
-                                    f"{layout_name(got)} takes {seconds:.3f} s a step; {layout_name(fastest[1])} "
-                                    f"fits and takes {fastest[0]:.3f} s")
-            report.add(ok, detail, case=name, expected=layout_name(fastest[1]), yours=layout_name(got),
-                       **{"your step (s)": f"{seconds:.3f}", "fastest (s)": f"{fastest[0]:.3f}"})
+    BEST(best_layout)
 
 
 # ==== the stretch: context parallelism in the step time ==========================================
@@ -428,6 +669,77 @@ CP_TIME_CASES = [
 ]
 
 
+
+
+def _ring(model, layout, cluster, seq) -> tuple[float, float]:
+    """The K,V ring of one micro-batch on the first stage: seconds it sends, seconds of attention core hiding it."""
+    layers = -(-model.num_layers // layout.pp)
+    heads = dataclasses.replace(model, num_attention_heads=model.num_attention_heads // layout.tp,
+                                num_key_value_heads=model.num_key_value_heads // layout.tp, head_dim=model.head_dim)
+    sent = layers * cp_comm_bytes_per_layer(heads, layout.micro_batch_size, seq, layout.cp, "zigzag", 2)
+    tokens = layout.micro_batch_size * seq // layout.cp
+    core = layers * 12 * tokens * seq * model.num_attention_heads * model.head_dim / layout.tp
+    return sent / cluster.bandwidth(layout.tp, layout.cp), core / (cluster.peak_flops * ASSUMED_MFU)
+
+
+def _cp_off(name: str, per_micro_batch: Callable) -> Callable:
+    """A wrong step time with cp: the planner's, off by a cost per micro-batch, stretched by 1F1B."""
+    def off(right, model, layout, cluster, seq, batch):
+        m = batch // (layout.dp * layout.micro_batch_size)
+        return (m + layout.pp - 1) * per_micro_batch(right.parts, m, model, layout, cluster, seq)
+    return _time_off(name, off)
+
+
+def _ring_in_bf16(parts, m, model, layout, cluster, seq) -> float:
+    sent, core = _ring(model, layout, cluster, seq)
+    c = layout.cp
+    bf16 = sent * (4 * (c - 1) + 2 * c) / (4 * (c - 1) + 4 * c)    # K,V blocks in bf16, their gradients in fp32
+    return max(0.0, bf16 - core) - max(0.0, sent - core)
+
+
+def _over_the_slice(parts, m, model, layout, cluster, seq) -> float:
+    model = dataclasses.replace(model, recompute=layout.recompute)
+    ratio = training_flops_per_token(model, seq // layout.cp) / training_flops_per_token(model, seq)
+    return (parts["compute"] + parts["recompute"]) / m * (ratio - 1)
+
+
+def _dp_replicas(parts, m, model, layout, cluster, seq) -> float:
+    n, c = layout.dp, layout.cp
+    if n == 1:
+        return -parts["dp"] / (m + layout.pp - 1)
+    scale = ((n - 1) / n) / ((n * c - 1) / (n * c)) * cluster.bandwidth(layout.tp, n * c) / cluster.bandwidth(
+        layout.tp * c, n)
+    return parts["dp"] * (scale - 1) / (m + layout.pp - 1)
+
+
+def _cp_ignored(model, layout, cluster, seq, batch):
+    return planner_step_time(model, dataclasses.replace(layout, cp=1), dataclasses.replace(
+        cluster, num_gpus=cluster.num_gpus // layout.cp), seq, batch)[0]
+
+
+STEP_TIME_CP = _time_check("step_time_cp", CP_TIME_CASES, "seconds per step with cp (s/cp tokens a rank, the K,V "
+                           "ring past the attention core, dp / ZeRO over dp x cp)", [
+    Misconception(named("cp_ignored", _cp_ignored), "with cp each rank computes s/cp tokens of every sequence, "
+                  "passes K,V around the ring, and averages gradients over dp x cp: part 3's answer counts none"),
+    Misconception(_cp_off("cp_without_the_ring", lambda parts, m, *_: -parts["cp"] / m),
+                  "the K,V ring is missing: cp - 1 steps pass a K,V block (and in backward its gradients) to the "
+                  "next rank; count what the attention core does not hide"),
+    Misconception(_cp_off("cp_ring_never_hidden", lambda parts, m, model, layout, cluster, seq: _ring(
+        model, layout, cluster, seq)[0] - parts["cp"] / m),
+                  "the ring's blocks travel while the attention core computes (12 s h FLOPs a token, forward and "
+                  "backward): only what exceeds it is exposed"),
+    Misconception(_cp_off("cp_attention_over_the_slice", _over_the_slice),
+                  "a token of the slice still attends over the whole sequence: count the FLOPs per token at s, "
+                  "on s/cp tokens"),
+    Misconception(_cp_off("cp_ranks_not_replicas", _dp_replicas),
+                  "the cp ranks hold the same weights: gradients are averaged (and ZeRO shards) over dp x cp ranks"),
+    Misconception(_cp_off("cp_tp_on_the_whole_sequence", lambda parts, m, model, layout, *_:
+                          parts["tp"] / m * (layout.cp - 1)),
+                  "with cp a rank's tp collectives carry its slice, s/cp tokens, not the whole sequence"),
+    Misconception(_cp_off("cp_ring_gradients_in_bf16", _ring_in_bf16),
+                  "the K,V gradients travel the ring in fp32 (4 bytes), the K,V blocks in bf16")])
+
+
 def check_step_time_cp(step_time_cp: Callable) -> None:
     """step_time_cp(model, layout, cluster, seq_len, global_batch) -> seconds per step of a layout with cp > 1."""
-    _check_times("step_time_cp", step_time_cp, CP_TIME_CASES)
+    STEP_TIME_CP(step_time_cp)

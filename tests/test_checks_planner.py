@@ -1,15 +1,16 @@
-"""The checks of assignment 08 pass correct answers and fail planted wrong ones.
+"""The checks of assignment 08 pass correct answers and refuse picotron's own estimates.
 
 The correct answers are written here from the chapters' formulas, not taken from the solution notebook
 (which runs under nbval on its own) and not from picotron.memory or the planner (which the checks refuse
-inside an answer), so a check that passes everything, or nothing, is caught.
+inside an answer), so a check that passes everything, or nothing, is caught. The wrong answers are the checks'
+misconceptions (checks_planner.py), each failing with its hint (tests/test_misconceptions.py).
 """
 
 import dataclasses
 
 import pytest
 
-from picotron_course.checks_planner import (Layout, candidate_layouts, check_best_layout, check_memory_per_gpu,
+from picotron_course.checks_planner import (candidate_layouts, check_best_layout, check_memory_per_gpu,
                                             check_params_on_first_stage, check_step_time, check_step_time_cp,
                                             fastest_layout, layout_name)
 from picotron.memory import estimate_memory
@@ -131,35 +132,7 @@ def test_correct_answer_passes(check, answer, every_case):
     every_case(CASES)
 
 
-# ---- planted wrong answers --------------------------------------------------------------------------------
-def params_with_the_head_everywhere(model, layout):
-    return ref_params_on_first_stage(model, layout) + (model.vocab_size * model.hidden_size // layout.tp
-                                                       if layout.pp > 1 else 0)
-
-
-def params_norms_split_by_tp(model, layout):
-    layers = -(-model.num_layers // layout.pp)
-    return ref_params_on_first_stage(model, layout) - 2 * layers * model.hidden_size * (layout.tp - 1) // layout.tp
-
-
-def params_floor_layers(model, layout):                 # the last stages take the extra layers: wrong for picotron
-    short = model.num_layers // layout.pp
-    return ref_params_on_first_stage(dataclasses.replace(model, num_layers=short * layout.pp), layout)
-
-
-def memory_without_zero(model, layout, seq, batch, precision):
-    return ref_memory_per_gpu(model, dataclasses.replace(layout, zero_stage=0), seq, batch, precision)
-
-
-def memory_one_micro_batch_in_flight(model, layout, seq, batch, precision):
-    return ref_memory_per_gpu(model, layout, seq, batch, precision, schedule_in_flight=False)
-
-
-def memory_fp32_optimizer_always(model, layout, seq, batch, precision):
-    out = ref_memory_per_gpu(model, layout, seq, batch, precision)
-    return out | {"optimizer state": out["optimizer state"] * 8 // BYTES[precision][2]}
-
-
+# ---- answers refused, and a mistake no misconception describes ----------------------------------------------
 def memory_calls_picotron(model, layout, seq, batch, precision):
     from picotron_course.checks_planner import plan_of
     from picotron.config import TrainConfig
@@ -171,61 +144,10 @@ def memory_calls_picotron(model, layout, seq, batch, precision):
             "activations": e.activations}
 
 
-def time_without_bubble(model, layout, cluster, seq, batch):
-    return ref_step_time(model, layout, cluster, seq, batch, bubble=False)
-
-
-def time_tp_over_the_network(model, layout, cluster, seq, batch):
-    slow = dataclasses.replace(cluster, intra_node_bandwidth=cluster.inter_node_bandwidth)
-    return ref_step_time(model, layout, slow, seq, batch)
-
-
-def time_forgets_recomputation(model, layout, cluster, seq, batch):
-    return ref_step_time(model, dataclasses.replace(layout, recompute="none"), cluster, seq, batch) \
-        if layout.recompute == "full" else ref_step_time(model, layout, cluster, seq, batch) * 0.9
-
-
 def time_copies_the_chapter(model, layout, cluster, seq, batch):     # chapter 08's step_time calls the counters
     t = layout.tp
     tp_bytes = tp_comm_bytes_per_layer(layout.micro_batch_size, seq, model.hidden_size, t, t > 1, 2)
     return ref_step_time(model, layout, cluster, seq, batch) + 0 * tp_bytes
-
-
-def best_ignores_memory(model, cluster, seq, batch):
-    return min(candidate_layouts(model, cluster, seq, batch),
-               key=lambda layout: ref_step_time(model, layout, cluster, seq, batch))
-
-
-def best_always_data_parallel(model, cluster, seq, batch):
-    return Layout(dp=cluster.num_gpus, zero_stage=2, recompute="full")
-
-
-def cp_ignored(model, layout, cluster, seq, batch):                    # part 3's answer, as if cp were not there
-    return ref_step_time(model, layout, cluster, seq, batch)
-
-
-def cp_without_the_ring(model, layout, cluster, seq, batch):
-    return ref_step_time_cp(model, layout, cluster, seq, batch, ring=False)
-
-
-def cp_ring_never_hidden(model, layout, cluster, seq, batch):
-    return ref_step_time_cp(model, layout, cluster, seq, batch, hidden=False)
-
-
-def cp_attention_over_the_slice(model, layout, cluster, seq, batch):   # 12 L h (s/cp): a token sees its slice only
-    return ref_step_time_cp(model, layout, cluster, seq, batch, attention_at_s=False)
-
-
-def cp_ranks_not_replicas(model, layout, cluster, seq, batch):         # gradients averaged over dp only
-    return ref_step_time_cp(model, layout, cluster, seq, batch, cp_replicas=False)
-
-
-def cp_tp_on_the_whole_sequence(model, layout, cluster, seq, batch):
-    return ref_step_time_cp(model, layout, cluster, seq, batch, tp_on_slice=False)
-
-
-def cp_ring_gradients_in_bf16(model, layout, cluster, seq, batch):    # the K,V gradients travel in fp32
-    return ref_step_time_cp(model, layout, cluster, seq, batch, fp32_ring_grads=False)
 
 
 def cp_calls_the_counter(model, layout, cluster, seq, batch):
@@ -235,35 +157,22 @@ def cp_calls_the_counter(model, layout, cluster, seq, batch):
     return ref_step_time_cp(model, layout, cluster, seq, batch)
 
 
-WRONG_ANSWERS = [
-    (check_params_on_first_stage, params_with_the_head_everywhere, "params_on_first_stage"),
-    (check_params_on_first_stage, params_norms_split_by_tp, "not split by tp"),
-    (check_params_on_first_stage, params_floor_layers, "params_on_first_stage"),
-    (check_memory_per_gpu, memory_without_zero, "divided by dp"),
-    (check_memory_per_gpu, memory_one_micro_batch_in_flight, "in flight"),
-    (check_memory_per_gpu, memory_fp32_optimizer_always, "optimizer state"),
-    (check_memory_per_gpu, memory_calls_picotron, "picotron.memory.estimate_memory"),
-    (check_step_time, time_without_bubble, "step_time"),
-    (check_step_time, time_tp_over_the_network, "step_time"),
-    (check_step_time, time_forgets_recomputation, "step_time"),
-    (check_step_time, time_copies_the_chapter, "tensor_parallel_costs.tp_comm_bytes_per_layer"),
-    (check_best_layout, best_ignores_memory, "GiB on a first-stage GPU"),
-    (check_best_layout, best_always_data_parallel, "best_layout"),
-    (check_step_time_cp, cp_ignored, "step_time_cp"),
-    (check_step_time_cp, cp_without_the_ring, "lacks about the cp part"),
-    (check_step_time_cp, cp_ring_never_hidden, "step_time_cp"),
-    (check_step_time_cp, cp_attention_over_the_slice, "step_time_cp"),
-    (check_step_time_cp, cp_ranks_not_replicas, "step_time_cp"),
-    (check_step_time_cp, cp_tp_on_the_whole_sequence, "step_time_cp"),
-    (check_step_time_cp, cp_ring_gradients_in_bf16, "step_time_cp"),
-    (check_step_time_cp, cp_calls_the_counter, "context_parallel_costs.cp_comm_bytes_per_layer"),
-]
+REFUSED = [(check_memory_per_gpu, memory_calls_picotron, "picotron.memory.estimate_memory"),
+           (check_step_time, time_copies_the_chapter, "tensor_parallel_costs.tp_comm_bytes_per_layer"),
+           (check_step_time_cp, cp_calls_the_counter, "context_parallel_costs.cp_comm_bytes_per_layer")]
 
 
-@pytest.mark.parametrize("check, answer, says", WRONG_ANSWERS, ids=[a.__name__ for _, a, _ in WRONG_ANSWERS])
-def test_wrong_answer_fails(check, answer, says, capsys):
+@pytest.mark.parametrize("check, answer, says", REFUSED, ids=[a.__name__ for _, a, _ in REFUSED])
+def test_picotrons_estimates_are_refused(check, answer, says, capsys):
     with pytest.raises(AssertionError, match=says):
         check(answer)
+    assert "FAIL" not in capsys.readouterr().out   # refused before a table is printed
+
+
+def test_a_mistake_no_misconception_describes_gets_the_difference_without_a_hint(capsys):
+    with pytest.raises(AssertionError, match=r"the parameters on a first-stage GPU .*off by \+7") as error:
+        check_params_on_first_stage(lambda model, layout: ref_params_on_first_stage(model, layout) + 7)
+    assert "Hint" not in str(error.value) and "hint:" not in capsys.readouterr().out
 
 
 def test_unsolved_raises_not_implemented():
