@@ -1,5 +1,7 @@
 """The checks of assignment 09: a fused row-softmax kernel, an RMSNorm forward kernel, an online softmax for rows
-longer than one block and (the stretch) the FlashAttention forward, in Triton.
+longer than one block and (the stretch) the FlashAttention forward, in Triton, declared on the course's engine
+(picotron_course.engine). The misconceptions before each check are wrong kernels learners write, with the hint each
+should read.
 
 Each check launches the learner's @triton.jit kernel itself, on inputs chosen to catch the usual slips, and
 compares with plain torch math done here in float64 (never with picotron.kernels, the code the assignment
@@ -60,9 +62,10 @@ import torch
 import torch.nn.functional as F
 
 from picotron import tolerance
-from picotron_course.checks import Report, max_abs_error, mismatch
-from picotron_course.checks import not_the_course_answer
+from picotron_course.engine import Check, Close, Exact, Misconception, Quantity, Said, per_case
 from picotron.kernels.runtime import INTERPRETED, TRITON, kernel_device   # interpreter or compiler, before any kernel
+import triton  # noqa: E402  (after the runtime chose the interpreter or the compiler)
+import triton.language as tl  # noqa: E402
 
 __all__ = ["check_softmax_kernel", "check_rmsnorm_kernel", "check_online_softmax_kernel",
            "check_flash_attention_kernel", "SOFTMAX_CASES", "RMSNORM_CASES", "ONLINE_SOFTMAX_CASES", "FLASH_CASES",
@@ -71,6 +74,7 @@ __all__ = ["check_softmax_kernel", "check_rmsnorm_kernel", "check_online_softmax
 REQUIRES = ("triton",)   # the grader refuses to grade assignment 09 where these are not installed
 REQUIRES_WHY = "it is built for Linux only: use Linux or WSL"
 
+WHERE = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel"
 SENTINEL = -4096.0   # exact in bf16 too; fills the output buffer around the rows: any change is a store out of place
 # Elements of spare memory after every tensor a kernel gets. The interpreter does not check addresses:
 # a wrong stride would write into whatever lies after the tensor and can crash the process. With this
@@ -235,214 +239,570 @@ def _block(n_cols: int) -> int:
     return 1 << max(n_cols - 1, 0).bit_length()     # n rounded up to a power of two
 
 
-# ---- softmax ------------------------------------------------------------------------------------
+# ---- softmax: the misconceptions, wrong kernels learners write --------------------------------------------------
+@triton.jit
+def softmax_no_max(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """exp(x) / sum exp(x): right in exact arithmetic, overflows for large scores."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x)
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
+def softmax_pads_with_zero(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Padding lanes read 0 instead of -inf: each adds exp(-max) to the sum."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
+def softmax_one_stride(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Rows addressed as row * n_cols: right only for contiguous tensors."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
+def softmax_unmasked_store(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """The store writes all BLOCK lanes: past the end of the row, into the next one."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0))
+
+
+@triton.jit
+def softmax_of_first_row(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Every program reads row 0 (program_id forgotten in the load)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+# ---- softmax, declared on the engine (picotron_course.engine) ------------------------------------------
+@dataclass(frozen=True)
+class RowClose(Close):
+    """Equal to the float64 math up to round-off (_close: in fp32, 2 roundings more than n_cols, or than the
+    expected tensor's own `roundings` (online softmax: n_cols + 2 per block + 2); two in bf16)."""
+
+    def close(self, got, want) -> bool:
+        return got.shape == want.shape and _close(got, want, want.dtype, getattr(want, "roundings", want.shape[-1]))
+
+
+RAISED = Said("the kernel raised")
+NAN = Exact("NaN in the output (an inf / inf, a 0 / 0 or an exp(-inf - (-inf)) somewhere)")
+OUTSIDE = Exact("values outside the rows overwritten (mask the store (cols < n_cols) and address row r of the "
+                "output at out_ptr + r * out_row_stride)")
+ROW_QUANTITIES = {"raised": RAISED, "NaN": NAN, "y": RowClose("y"), "outside": OUTSIDE}
+
+
+def _softmax_case(seed: int, name, rows, n_cols, dtype, stride, padding, make) -> dict:
+    x = _data(rows, n_cols, dtype, stride, make, seed)
+    return {"case": name, "shape": (rows, n_cols), "dtype": dtype,
+            "row strides": (x.stride(0), n_cols + padding), "_x": x, "_padding": padding}
+
+
+def _observe_rows(run: Callable) -> Callable:
+    """observe(answers, cases) for a kernel with one program per row: what it raised, its output (and what
+    run(kernel, case, out) returns: rstd), and how many values outside the rows it overwrote."""
+    def observe(answers: list, cases: list) -> list:
+        observed = []
+        for kernel in answers:
+            seen = []
+            for case in cases:
+                buffer, out = _output_buffer(*case["shape"], case["_padding"], case["dtype"])
+                try:
+                    more = run(kernel, case, out)
+                except NotImplementedError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a crash is a failed case, shown in the table
+                    seen.append({"raised": _first_line(e)})
+                    continue
+                y = out.cpu()
+                seen.append({"raised": "", "NaN": int(y.isnan().sum()), "y": y, **more,
+                             "outside": _outside_touched(buffer, out)})
+            observed.append(seen)
+        return observed
+    return observe
+
+
+def _run_softmax(kernel, case: dict, out: torch.Tensor) -> dict:
+    x = case["_x"]
+    launch(kernel, (out.shape[0],), x, out, out.shape[1], x.stride(0), out.stride(0), BLOCK=_block(out.shape[1]))
+    return {}
+
+
+def expect_softmax(case: dict, observed: dict) -> dict:
+    return {"raised": "", "NaN": 0, "y": torch.softmax(case["_x"].cpu().double(), dim=-1).to(case["dtype"]),
+            "outside": 0}
+
+
+SOFTMAX = Check(
+    "softmax_kernel", cases=[_softmax_case(seed, *case) for seed, case in enumerate(SOFTMAX_CASES)],
+    observe=_observe_rows(_run_softmax), expect=expect_softmax, course="picotron.kernels",
+    note=f"one program per row, in {WHERE}; expected = torch.softmax in float64",
+    quantities=ROW_QUANTITIES,
+    misconceptions=[
+        Misconception(softmax_no_max, "subtract the row's max before exp: exp(2000) overflows to inf, and inf / inf "
+                                      "is NaN; softmax(x - max) is the same softmax"),
+        Misconception(softmax_pads_with_zero, "load the padding lanes (cols >= n_cols) as -inf, not 0: a 0 lane "
+                                              "adds exp(0 - max) to the sum (and can win the max)"),
+        Misconception(softmax_one_stride, "address row r at x_ptr + r * x_row_stride and out_ptr + r * "
+                                          "out_row_stride: rows are n_cols apart only in a contiguous tensor"),
+        Misconception(softmax_unmasked_store, "mask the store with cols < n_cols: the BLOCK - n_cols padding lanes "
+                                              "write past the end of the row"),
+        Misconception(softmax_of_first_row, "each program handles its own row: offset the load by "
+                                            "tl.program_id(0) * x_row_stride")])
+
+
 def check_softmax_kernel(softmax_kernel) -> None:
     """Launch softmax_kernel with one program per row on each case of SOFTMAX_CASES; compare with float64 torch."""
-    not_the_course_answer("check_softmax_kernel", softmax_kernel, course="picotron.kernels")
-    where = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel"
-    note = f"one program per row, in {where}; expected = torch.softmax in float64"
-    with Report("softmax_kernel", note=note) as report:
-        for seed, (name, rows, n_cols, dtype, stride, padding, make) in enumerate(SOFTMAX_CASES):
-            x = _data(rows, n_cols, dtype, stride, make, seed)
-            expected = torch.softmax(x.double(), dim=-1).to(dtype)
-            buffer, out = _output_buffer(rows, n_cols, padding, dtype)
-            _run_case(report, name, dtype, expected, buffer, out, x, lambda: launch(
-                softmax_kernel, (rows,), x, out, n_cols, x.stride(0), out.stride(0), BLOCK=_block(n_cols)))
+    SOFTMAX(softmax_kernel)
 
 
-# ---- RMSNorm ------------------------------------------------------------------------------------
+# ---- RMSNorm: the misconceptions ------------------------------------------------------------------
+@triton.jit
+def rmsnorm_mean_over_block(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
+                            BLOCK: tl.constexpr):
+    """Mean of squares divided by BLOCK (the padded width) instead of n_cols."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / BLOCK + eps)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, x * rstd * w, mask=inside)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def rmsnorm_no_eps(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, x * rstd * w, mask=inside)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def rmsnorm_no_weight(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * out_row_stride + cols, x * rstd, mask=inside)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def rmsnorm_forgets_rstd(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
+                         BLOCK: tl.constexpr):
+    """Right output, but backward's rstd is never stored."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, normed * w, mask=inside)
+
+
+@triton.jit
+def rmsnorm_std_not_rstd(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
+                         BLOCK: tl.constexpr):
+    """Multiplies by the root mean square instead of dividing by it."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    rms = tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, x * rms * w, mask=inside)
+    tl.store(rstd_ptr + row, rms)
+
+
+@triton.jit
+def rmsnorm_input_stride_for_output(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
+                                    BLOCK: tl.constexpr):
+    """Writes output rows with the input's row stride."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * x_row_stride + cols, normed * w, mask=inside)
+    tl.store(rstd_ptr + row, rstd)
+
+
+# ---- RMSNorm, declared on the engine ------------------------------------------------------------------
+@dataclass(frozen=True)
+class RstdClose(Close):
+    """rstd in fp32 against float64, up to n_cols + 2 roundings (the expected tensor carries n_cols)."""
+
+    def close(self, got, want) -> bool:
+        n = getattr(want, "roundings", 1)      # against a misconception's own rstd (no roundings): the same numbers
+        return tolerance.close_enough(got, want, n=n, dtype=torch.float32, tf32=False)
+
+
+def _rmsnorm_case(seed: int, name, rows, n_cols, dtype, stride, padding, make, eps) -> dict:
+    case = _softmax_case(seed, name, rows, n_cols, dtype, stride, padding, make)
+    weight = 1 + 0.5 * torch.randn(n_cols, generator=torch.Generator().manual_seed(100 + seed))
+    return {**case, "_weight": _with_room(weight.to(dtype)), "_eps": eps}
+
+
+def _run_rmsnorm(kernel, case: dict, out: torch.Tensor) -> dict:
+    x, (rows, n_cols) = case["_x"], out.shape
+    rstd = _with_room(torch.full((rows,), SENTINEL), fill=SENTINEL)
+    launch(kernel, (rows,), x, case["_weight"], out, rstd, n_cols, x.stride(0), out.stride(0), case["_eps"],
+           BLOCK=_block(n_cols))
+    return {"rstd": rstd.cpu()}
+
+
+def expect_rmsnorm(case: dict, observed: dict) -> dict:
+    x, dtype = case["_x"].cpu().double(), case["dtype"]
+    rstd = torch.rsqrt(x.pow(2).mean(dim=-1) + case["_eps"])                        # (rows,)
+    normed = (x * rstd[:, None]).to(dtype).double()                                  # rounded as x
+    y = (normed * case["_weight"].cpu().double()).to(dtype)
+    return {"raised": "", "NaN": 0, "rstd": per_case(rstd, n=x.shape[-1] + 2), "y": y, "outside": 0}
+
+
+RMSNORM = Check(
+    "rmsnorm_kernel", cases=[_rmsnorm_case(seed, *case) for seed, case in enumerate(RMSNORM_CASES)],
+    observe=_observe_rows(_run_rmsnorm), expect=expect_rmsnorm, course="picotron.kernels",
+    note=(f"one program per row, in {WHERE}; expected: rstd = 1/sqrt(mean(x^2) + eps), "
+          "y = w * (x rstd, rounded to x's dtype), in float64"),
+    quantities={"raised": RAISED, "NaN": NAN,
+                "rstd": RstdClose("rstd (store 1/sqrt(mean(x^2) + eps) of row r at rstd_ptr + r)"),
+                "y": RowClose("y"), "outside": OUTSIDE},
+    misconceptions=[
+        Misconception(rmsnorm_mean_over_block, "divide the sum of squares by n_cols, not BLOCK: the padding lanes "
+                                               "are not columns of the row"),
+        Misconception(rmsnorm_no_eps, "add eps inside the square root: rstd = 1 / sqrt(mean(x^2) + eps)"),
+        Misconception(rmsnorm_no_weight, "multiply the normalized row by the weight w (loaded at w_ptr + cols, "
+                                         "masked like x)"),
+        Misconception(rmsnorm_forgets_rstd, "store each row's rstd at rstd_ptr + r: the backward reads it"),
+        Misconception(rmsnorm_std_not_rstd, "rstd is 1 / sqrt(mean(x^2) + eps): multiply x by it, not by the root "
+                                            "mean square"),
+        Misconception(rmsnorm_input_stride_for_output, "address output row r at out_ptr + r * out_row_stride: "
+                                                       "x_row_stride is the input's")])
+
+
 def check_rmsnorm_kernel(rmsnorm_kernel) -> None:
     """Launch rmsnorm_kernel with one program per row on each case of RMSNORM_CASES; compare y and rstd with
     float64 torch."""
-    not_the_course_answer("check_rmsnorm_kernel", rmsnorm_kernel, course="picotron.kernels")
-    where = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel"
-    note = (f"one program per row, in {where}; expected: rstd = 1/sqrt(mean(x^2) + eps), "
-            "y = w * (x rstd, rounded to x's dtype), in float64")
-    with Report("rmsnorm_kernel", note=note) as report:
-        for seed, (name, rows, n_cols, dtype, stride, padding, make, eps) in enumerate(RMSNORM_CASES):
-            x = _data(rows, n_cols, dtype, stride, make, seed)
-            weight = (1 + 0.5 * torch.randn(n_cols, generator=torch.Generator().manual_seed(100 + seed)))
-            weight = _with_room(weight.to(dtype))
-            rstd_expected = torch.rsqrt(x.double().pow(2).mean(dim=-1) + eps)                   # (rows,)
-            normed = (x.double() * rstd_expected[:, None]).to(dtype).double()                   # rounded as x
-            expected = (normed * weight.double()).to(dtype)
-            buffer, out = _output_buffer(rows, n_cols, padding, dtype)
-            rstd = _with_room(torch.full((rows,), SENTINEL), fill=SENTINEL)
-            _run_case(report, name, dtype, expected, buffer, out, x, lambda: launch(
-                rmsnorm_kernel, (rows,), x, weight, out, rstd, n_cols, x.stride(0), out.stride(0), eps,
-                BLOCK=_block(n_cols)), rstd=(rstd, rstd_expected))
+    RMSNORM(rmsnorm_kernel)
 
 
-# ---- part 6: online softmax ---------------------------------------------------------------------------
-def check_online_softmax_kernel(online_softmax_kernel) -> None:
-    """Launch online_softmax_kernel with one program per row and a BLOCK smaller than the row, on each case of
-    ONLINE_SOFTMAX_CASES; compare with float64 torch.softmax. From the kernel's Triton IR (the same on a CPU and
-    a GPU), count what each program loads and stores: at most BLOCK values a load, two loads and one store of
-    each element."""
-    not_the_course_answer("check_online_softmax_kernel", online_softmax_kernel, course="picotron.kernels")
-    where = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel"
-    note = (f"one program per row, BLOCK columns at a time, in {where}; expected = torch.softmax in float64; "
-            "loads and stores counted on the kernel's Triton IR")
-    with Report("online_softmax_kernel", note=note) as report:
-        for seed, (name, rows, n_cols, block, dtype, stride, padding, make) in enumerate(ONLINE_SOFTMAX_CASES):
-            x = _data(rows, n_cols, dtype, stride, "randn" if make == "first block masked" else make, 200 + seed)
-            if make == "first block masked":
-                x[:, :block] = float("-inf")          # a row that starts with masked keys (a padded prompt)
-            expected = torch.softmax(x.double(), dim=-1).to(dtype)
-            buffer, out = _output_buffer(rows, n_cols, padding, dtype)
-            args = (x, out, n_cols, x.stride(0), out.stride(0))
-
-            def call(args=args, rows=rows, block=block):
-                launch(online_softmax_kernel, (rows,), *args, BLOCK=block)
-
-            blocks = -(-n_cols // block)
-            _run_case(report, name, dtype, expected, buffer, out, x, call, n=n_cols + 2 * blocks + 2,
-                      traffic=lambda args=args, block=block, rows=rows, n_cols=n_cols: _online_traffic(
-                          online_softmax_kernel, args, block, rows, n_cols))
+# ---- online softmax: the misconceptions ------------------------------------------------
+@triton.jit
+def online_nan_after_masked_block(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """No care for a block of only -inf: exp(m - new_m) = exp(-inf - (-inf)) = nan."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = float("-inf")
+    total = 0.0
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
+                    other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        m = new_m
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=inside)
 
 
-def _online_traffic(kernel, args: tuple, block: int, rows: int, n_cols: int) -> tuple[dict, list[str]]:
-    """The BLOCK column, and the loads and stores per element each program runs (from the kernel's IR); the
-    problems if over budget: a load wider than BLOCK, more than two loads or one store of an element."""
-    columns = {"BLOCK": block}
+@triton.jit
+def online_no_rescale(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Adds each block's exp(x - new_m) to a sum taken against older, smaller maxima, without rescaling it."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = -1e38
+    total = 0.0
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
+                    other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, tl.max(x, axis=0))
+        total = total + tl.sum(tl.exp(x - m), axis=0)
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=inside)
+
+
+@triton.jit
+def online_rescale_inverted(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Rescales the old sum by exp(new_m - m) instead of exp(m - new_m)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = -1e38
+    total = 0.0
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
+                    other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        total = total * tl.exp(tl.minimum(new_m - m, 80.0)) + tl.sum(tl.exp(x - new_m), axis=0)
+        m = new_m
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=inside)
+
+
+@triton.jit
+def online_three_passes(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Right, but not online: the max, then the sum, then the write: three reads of the row."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = float("-inf")
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
+                    other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, tl.max(x, axis=0))
+    total = 0.0
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
+                    other=float("-inf")).to(tl.float32)
+        total += tl.sum(tl.exp(x - m), axis=0)
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=inside)
+
+
+@triton.jit
+def online_store_then_fix(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Right, but writes twice: stores exp(x - running max) in the first pass, then re-reads and rescales it."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = -1e38
+    total = 0.0
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        m = new_m
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m), mask=inside)
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        e = tl.load(out_ptr + row * out_row_stride + start + cols, mask=inside, other=0.0)
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total + 0.0 * e, mask=inside)
+
+
+@triton.jit
+def online_one_big_block(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Ignores BLOCK: the whole row (up to 8192 columns) in one block, as softmax_kernel does."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, 8192)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    y = e / tl.sum(e, axis=0)
+    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def online_unmasked_tail(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Masks with cols < n_cols instead of start + cols < n_cols: the ragged last block reads and writes past the
+    row."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = float("-inf")
+    total = 0.0
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        m = new_m
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=cols < n_cols)
+
+
+@triton.jit
+def online_lanes_from_minus_inf(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Per-lane running max started at -inf: a lane that has seen only -inf (padding, masked scores) turns nan."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
+                    other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, x)
+        total = total * tl.exp(m - new_m) + tl.exp(x - new_m)
+        m = new_m
+    row_m = tl.max(m, axis=0)
+    row_total = tl.sum(total * tl.exp(m - row_m), axis=0)
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - row_m) / row_total, mask=inside)
+
+
+@triton.jit
+def online_no_max(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """One running sum of exp(x), no max: right in exact arithmetic, overflows for large scores."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    total = 0.0
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
+                    other=float("-inf")).to(tl.float32)
+        total += tl.sum(tl.exp(x), axis=0)
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x) / total, mask=inside)
+
+
+@triton.jit
+def online_contiguous_rows(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Rows addressed as row * n_cols: right only for contiguous tensors."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = float("-inf")
+    total = 0.0
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_ptr + row * n_cols + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        m = new_m
+    for start in range(0, n_cols, BLOCK):
+        inside = start + cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + start + cols, tl.exp(x - m) / total, mask=inside)
+
+
+# ---- online softmax, declared on the engine ---------------------------------------------------------------
+@dataclass(frozen=True)
+class AtMost(Quantity):
+    """A number no larger than the expected one, a budget; `rule` says, after the number, what the budget is."""
+    rule: str = ""
+
+    def equal(self, got, want) -> bool:
+        return isinstance(got, (int, float)) and got <= want
+
+    def shown(self, got, want) -> str:
+        if not isinstance(got, (int, float)):
+            return super().shown(got, want)
+        return self.rule.format(got=got, want=want)
+
+
+def _online_case(seed: int, name, rows, n_cols, block, dtype, stride, padding, make) -> dict:
+    x = _data(rows, n_cols, dtype, stride, "randn" if make == "first block masked" else make, 200 + seed)
+    if make == "first block masked":
+        x[:, :block] = float("-inf")          # a row that starts with masked keys (a padded prompt)
+    return {"case": name, "shape": (rows, n_cols), "dtype": dtype, "row strides": (x.stride(0), n_cols + padding),
+            "_x": x, "_padding": padding, "_block": block}
+
+
+def _run_online(kernel, case: dict, out: torch.Tensor) -> dict:
+    x, (rows, n_cols), block = case["_x"], out.shape, case["_block"]
+    args = (x, out, n_cols, x.stride(0), out.stride(0))
+    launch(kernel, (rows,), *args, BLOCK=block)
+    return _online_traffic(kernel, args, block, rows, n_cols)
+
+
+def _online_traffic(kernel, args: tuple, block: int, rows: int, n_cols: int) -> dict:
+    """What each program loads and stores, per element of its row, from the kernel's IR: the widest load, the
+    loads and stores of an element (the most of any program), the arguments stored through other than the output;
+    or why they could not be counted."""
     named = _arguments(kernel, args, {"BLOCK": block})
     try:
         kernel_ir = _kernel_ir(kernel, named, {"BLOCK": block})
         programs = [kernel_ir.traffic((row, 0, 0), named) for row in range(rows)]
     except _Unknown as e:
-        return columns, [f"could not count what the kernel loads: {e}"]
+        return {"counted": f"could not count what the kernel loads: {e}"}
     except Exception as e:  # noqa: BLE001 - a kernel the compiler refuses is a failed case, said in one line
-        return columns, [f"could not compile the kernel to count its loads: {_first_line(e)}"]
+        return {"counted": f"could not compile the kernel to count its loads: {_first_line(e)}"}
     x_name, out_name = list(named)[:2]
     padded = -(-n_cols // block) * block               # the values a row's blocks cover
-    loads = max(p.loaded(x_name) + p.loaded(out_name) for p in programs) / padded
-    stores = max(p.stored(out_name) for p in programs) / padded
-    widest = max((math.prod(shape) for p in programs for shapes in p.load_shapes.values() for shape in shapes),
-                 default=0)
-    columns.update({"loads/elem": f"{loads:.2f}", "stores/elem": f"{stores:.2f}"})
-    problems = []
-    if widest > block:
-        problems.append(f"one load read {widest} values at once; BLOCK is {block}: walk the row BLOCK columns at a "
-                        "time")
-    if loads > 2:
-        problems.append(f"each element was loaded {loads:.2f} times: at most 2 (a first pass keeps the running max "
-                        "and sum, a second writes the output)")
-    if stores > 1:
-        problems.append(f"each element was stored {stores:.2f} times: once, in the second pass")
-    others = sorted({name for p in programs for name in p.stores} - {out_name})
-    if others:
-        problems.append(f"the kernel stores through {', '.join(others)}: write the output only")
-    return columns, problems
+    return {"counted": "",
+            "widest": max((math.prod(shape) for p in programs for shapes in p.load_shapes.values()
+                           for shape in shapes), default=0),
+            "loads": max(p.loaded(x_name) + p.loaded(out_name) for p in programs) / padded,
+            "stores": max(p.stored(out_name) for p in programs) / padded,
+            "other stores": sorted({name for p in programs for name in p.stores} - {out_name})}
 
 
-# ---- the stretch: FlashAttention forward ------------------------------------------------------------------
-def check_flash_attention_kernel(flash_attention_kernel) -> None:
-    """Launch flash_attention_kernel with one program per (head, query block) on each case of FLASH_CASES; compare
-    O with F.scaled_dot_product_attention in float64 and with picotron's FlashAttention in torch
-    (picotron/kernels/flash_attention_torch.py, same tiles), and the log-sum-exp with torch.logsumexp in float64.
-    From the kernel's Triton IR (the same on a CPU and a GPU): loads of at most a BLOCK_M x BLOCK_D tile of Q and
-    a BLOCK_N x BLOCK_D tile of K or V, no tensor longer than a tile, one pass over K and V per query block, and
-    (causal) no key block above the diagonal."""
-    from picotron.kernels.flash_attention_torch import attention_roundings, flash_attention_torch
-
-    not_the_course_answer("check_flash_attention_kernel", flash_attention_kernel, course="picotron.kernels")
-    where = "the Triton interpreter (CPU)" if INTERPRETED else "a compiled GPU kernel (fp32 tl.dot in TF32)"
-    note = (f"one program per (head, query block), in {where}; expected O = SDPA in float64 and picotron's torch "
-            "FlashAttention, lse = logsumexp in float64; loads counted on the kernel's Triton IR")
-    tf32 = not INTERPRETED            # a compiled fp32 tl.dot runs in TF32 unless told input_precision="ieee"
-    with Report("flash_attention_kernel", note=note) as report:
-        for seed, (name, heads, seq, head_dim, block_m, block_n, causal, make) in enumerate(FLASH_CASES):
-            q, k, v = _attention_data(heads, seq, head_dim, make, 300 + seed)
-            scale = 1.0 / math.sqrt(head_dim)
-            qd, kd, vd = (t.cpu().double() for t in (q, k, v))
-            expected = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
-            scores = (qd @ kd.mT) * scale
-            if causal:
-                scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
-            lse_expected = torch.logsumexp(scores, dim=-1)
-            in_torch = flash_attention_torch(q.cpu(), k.cpu(), v.cpu(), causal=causal, scale=scale, block_q=block_m,
-                                             block_k=block_n)
-            buffer, rows_out = _output_buffer(heads * seq, head_dim, 3, torch.float32)
-            out = rows_out.view(heads, seq, head_dim)
-            lse = _with_room(torch.full((heads, seq), SENTINEL), fill=SENTINEL)
-            constexprs = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, _block(head_dim)))
-            args = (q, k, v, out, lse, seq, head_dim, q.stride(0), q.stride(1), out.stride(0), out.stride(1), scale)
-            columns = {"case": name, "(heads, s, d)": (heads, seq, head_dim),
-                       "BLOCK_M x BLOCK_N": f"{block_m} x {block_n}", "causal": causal}
-            try:
-                launch(flash_attention_kernel, (heads, -(-seq // block_m)), *args, **constexprs)
-            except NotImplementedError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a crash is a failed case, shown in the table
-                report.add(ok=False, detail=f"the kernel raised {_first_line(e)}", **columns, max_abs_err=math.inf)
-                continue
-            actual, lse_actual = out.cpu(), lse.cpu()
-            n = attention_roundings(head_dim, seq)
-            problems = []
-            if not tolerance.close_enough(actual, expected, n=n, dtype=torch.float32, tf32=tf32):
-                problems.append("O against SDPA: " + mismatch(actual.double(), expected))
-                if actual.isnan().any():
-                    problems.append("NaN in O: an exp(-inf - (-inf)) or a 0 / 0 somewhere")
-            elif not tolerance.close_enough(actual, in_torch, n=n, dtype=torch.float32, tf32=tf32):
-                problems.append("O against picotron's torch FlashAttention: "
-                                + mismatch(actual.double(), in_torch.double()))
-            if not tolerance.close_enough(lse_actual, lse_expected, n=attention_roundings(head_dim, seq, of="lse"),
-                                          dtype=torch.float32, tf32=tf32):
-                problems.append("lse (store m + log l of row i, natural log, at lse_ptr + head * seq_len + i): "
-                                + mismatch(lse_actual.double(), lse_expected))
-            touched = _outside_touched(buffer, rows_out)
-            if touched:
-                problems.append(f"{touched} values outside O were overwritten: mask the store (rows < seq_len, "
-                                "dims < head_dim) and address O through o_head_stride and o_row_stride")
-            named = _arguments(flash_attention_kernel, args, constexprs)
-            problems += _flash_traffic(flash_attention_kernel, named, constexprs, heads, seq)
-            err = max_abs_error(actual.double().nan_to_num(nan=math.inf), expected)
-            report.add(ok=not problems, detail="; ".join(problems), **columns, max_abs_err=err)
+def expect_online(case: dict, observed: dict) -> dict:
+    n_cols, block = case["shape"][1], case["_block"]
+    y = torch.softmax(case["_x"].cpu().double(), dim=-1).to(case["dtype"])
+    return {"raised": "", "counted": "", "widest": block, "loads": 2, "stores": 1, "other stores": [], "NaN": 0,
+            "y": per_case(y, n=n_cols + 2 * -(-n_cols // block) + 2), "outside": 0}
 
 
-def _flash_traffic(kernel, named: dict, constexprs: dict, heads: int, seq: int) -> list[str]:
-    """The stretch's rules, from the kernel's IR, for every program: tile-sized loads, no tensor longer than a
-    tile, one pass over K and V per query block, and (causal) no key block above the diagonal."""
-    block_m, block_n, block_d, causal = (constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "CAUSAL"))
-    q_name, k_name, v_name, o_name, lse_name = list(named)[:5]
-    try:
-        kernel_ir = _kernel_ir(kernel, named, constexprs)
-        programs = {(h, b): kernel_ir.traffic((h, b, 0), named) for h in range(heads)
-                    for b in range(-(-seq // block_m))}
-    except _Unknown as e:
-        return [f"could not count what the kernel loads: {e}"]
-    except Exception as e:  # noqa: BLE001 - a kernel the compiler refuses is a failed case, said in one line
-        return [f"could not compile the kernel to count its loads: {_first_line(e)}"]
-    problems = []
-    largest, shape = kernel_ir.largest_dimension()
-    if largest > max(block_m, block_n, block_d):
-        problems.append(f"the kernel holds a tensor of shape {shape}, longer than any tile (BLOCK_M {block_m}, "
-                        f"BLOCK_N {block_n}, BLOCK_D {block_d}): never the s x s scores, nor a whole row of them")
-    first = programs[(0, 0)]
-    for name, tile, what in ((q_name, block_m * block_d, "BLOCK_M x BLOCK_D"),
-                             (k_name, block_n * block_d, "BLOCK_N x BLOCK_D"),
-                             (v_name, block_n * block_d, "BLOCK_N x BLOCK_D")):
-        widest = max((math.prod(s) for s in first.load_shapes.get(name, ())), default=0)
-        if widest > tile:
-            problems.append(f"one load of {name} reads {widest} values: at most a {what} tile ({tile})")
-    passes = []
-    for (head, block), traffic in programs.items():
-        visible = min((block + 1) * block_m, seq) if causal else seq         # keys this query block can see
-        needed, every = -(-visible // block_n), -(-seq // block_n)
-        for name in (k_name, v_name):
-            tiles = traffic.loaded(name) / (block_n * block_d)
-            if tiles > needed and causal and tiles <= every:
-                passes.append(f"causal: program (head {head}, query block {block}) loads {tiles:.0f} tiles of "
-                              f"{name} where {needed} reach its last row: skip the key blocks above the diagonal")
-            elif tiles > needed:
-                passes.append(f"{name} was read {tiles / needed:.2f} times by program (head {head}, query block "
-                              f"{block}): one pass over K and V per query block (the online softmax)")
-        if passes:
-            break                                    # one program says it; the others would say the same
-    others = sorted({name for t in programs.values() for name in t.stores} - {o_name, lse_name})
-    if others:
-        problems.append(f"the kernel stores through {', '.join(others)}: write O and the lse only")
-    return problems + passes
+def _traffic_columns(case: dict, observed: dict) -> dict:
+    return {"BLOCK": case["_block"], **{f"{k}/elem": f"{observed[k]:.2f}" for k in ("loads", "stores")
+                                        if isinstance(observed.get(k), float)}}
+
+
+ONLINE_SOFTMAX = Check(
+    "online_softmax_kernel", cases=[_online_case(seed, *case) for seed, case in enumerate(ONLINE_SOFTMAX_CASES)],
+    observe=_observe_rows(_run_online), expect=expect_online, columns=_traffic_columns, course="picotron.kernels",
+    note=(f"one program per row, BLOCK columns at a time, in {WHERE}; expected = torch.softmax in float64; "
+          "loads and stores counted on the kernel's Triton IR"),
+    quantities={"raised": RAISED, "counted": Said("the count of loads and stores on the kernel's Triton IR"),
+                "widest": AtMost("the widest load", rule="one load read {got} values at once; BLOCK is {want}: walk "
+                                                          "the row BLOCK columns at a time"),
+                "stores": AtMost("stores of each element", rule="each element was stored {got:.2f} times: once, "
+                                 "in the second pass"),
+                "loads": AtMost("loads of each element", rule="each element was loaded {got:.2f} times: at most "
+                                "{want} (a first pass keeps the running max and sum, a second writes the output)"),
+                "other stores": Exact("the arguments stored through besides the output (write the output only)"),
+                "NaN": NAN, "y": RowClose("y"), "outside": OUTSIDE},
+    misconceptions=[
+        Misconception(online_nan_after_masked_block, "a block of only -inf leaves the running max at -inf, and "
+                      "exp(m - new_m) = exp(-inf - (-inf)) is NaN: rescale only where the max is finite"),
+        Misconception(online_no_rescale, "when a block raises the running max m, rescale the running sum by "
+                                         "exp(m_old - m_new) before adding the block's terms"),
+        Misconception(online_rescale_inverted, "the running sum is rescaled by exp(m_old - m_new) (at most 1), not "
+                                               "exp(m_new - m_old)"),
+        Misconception(online_unmasked_tail, "mask each block with start + cols < n_cols: the ragged last block "
+                                            "reads and writes past the row"),
+        Misconception(online_lanes_from_minus_inf, "a lane that has seen only -inf (padding, masked scores) turns "
+                      "NaN: keep one running max per row (a scalar), or guard the lanes that are still -inf"),
+        Misconception(online_no_max, "subtract the running max before exp: exp(2000) overflows to inf"),
+        Misconception(online_contiguous_rows, "address row r at x_ptr + r * x_row_stride and out_ptr + r * "
+                                              "out_row_stride: rows are n_cols apart only in a contiguous tensor"),
+        Misconception(online_three_passes, "two passes over the row: the first keeps the running max and the "
+                                           "rescaled sum together, the second writes the output"),
+        Misconception(online_store_then_fix, "store each element once, in the second pass, when the row's max and "
+                                             "sum are known"),
+        Misconception(online_one_big_block, "load BLOCK columns at a time in a loop over the row, not the whole "
+                                            "row at once")])
+
+
+def check_online_softmax_kernel(online_softmax_kernel) -> None:
+    """Launch online_softmax_kernel with one program per row and a BLOCK smaller than the row, on each case of
+    ONLINE_SOFTMAX_CASES; compare with float64 torch.softmax. From the kernel's Triton IR (the same on a CPU and
+    a GPU), count what each program loads and stores: at most BLOCK values a load, two loads and one store of
+    each element."""
+    ONLINE_SOFTMAX(online_softmax_kernel)
 
 
 def _attention_data(heads: int, seq: int, head_dim: int, make: str, seed: int):
@@ -455,6 +815,365 @@ def _attention_data(heads: int, seq: int, head_dim: int, make: str, seed: int):
         k = 0.3 * k + torch.linspace(0.0, 3.0, seq)[None, :, None]
     storage = _with_room(torch.stack([q, k, v]))
     return tuple(storage[i, :, :, :head_dim] for i in range(3))
+
+
+# ---- FlashAttention: the misconceptions, each breaking one thing the task states ---------------------
+@triton.jit
+def _tile(ptr, head, head_stride, row_stride, first, seq_len, head_dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows, dims = first + tl.arange(0, ROWS), tl.arange(0, BLOCK_D)
+    return tl.load(ptr + head * head_stride + rows[:, None] * row_stride + dims[None, :],
+                   mask=(rows[:, None] < seq_len) & (dims[None, :] < head_dim), other=0.0)
+
+
+@triton.jit
+def _step(acc, l, m, q, k, v, cols, rows, seq_len, scale, CAUSAL: tl.constexpr):
+    """One key block folded into (acc, l, m), as ref_flash_attention does it."""
+    s = tl.dot(q, tl.trans(k)) * scale
+    visible = cols[None, :] < seq_len
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return acc * alpha[:, None] + tl.dot(p, v), l * alpha + tl.sum(p, axis=1), m_new
+
+
+@triton.jit
+def _finish(o_ptr, lse_ptr, acc, l, lse, head, rows, seq_len, head_dim, o_head_stride, o_row_stride,
+            BLOCK_D: tl.constexpr):
+    dims = tl.arange(0, BLOCK_D)
+    tl.store(o_ptr + head * o_head_stride + rows[:, None] * o_row_stride + dims[None, :], acc / l[:, None],
+             mask=(rows[:, None] < seq_len) & (dims[None, :] < head_dim))
+    tl.store(lse_ptr + head * seq_len + rows, lse, mask=rows < seq_len)
+
+
+@triton.jit
+def flash_causal_computes_every_block(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride,
+                                      row_stride, o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr,
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Right values, but causal or not the loop runs over every key block: the masked ones are computed too."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
+    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+
+
+@triton.jit
+def flash_two_passes(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
+                     o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Right values, not online: a first pass over K finds each row's max, a second sums and multiplies by V."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        visible = cols[None, :] < seq_len
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        m = tl.maximum(m, tl.max(tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf")), axis=1))
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
+    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+
+
+@triton.jit
+def flash_double_key_tiles(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
+                           o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Right values, but K and V come 2 x BLOCK_N keys a load."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
+    for start_n in range(0, hi, 2 * BLOCK_N):
+        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, 2 * BLOCK_N, BLOCK_D)
+        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, 2 * BLOCK_N, BLOCK_D)
+        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, 2 * BLOCK_N), rows, seq_len, scale, CAUSAL)
+    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+
+
+@triton.jit
+def flash_whole_rows_of_scores(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
+                               o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Right values up to 128 keys, not tiled: every key in one go, a (BLOCK_M, 128) row of scores per query."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    k = _tile(k_ptr, head, head_stride, row_stride, 0, seq_len, head_dim, 128, BLOCK_D)
+    v = _tile(v_ptr, head, head_stride, row_stride, 0, seq_len, head_dim, 128, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    acc, l, m = _step(tl.zeros([BLOCK_M, BLOCK_D], tl.float32), tl.zeros([BLOCK_M], tl.float32), m, q, k, v,
+                      tl.arange(0, 128), rows, seq_len, scale, CAUSAL)
+    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+
+
+@triton.jit
+def flash_stores_the_max(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
+                         o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Right O, but the lse it stores is the row max m, without log l."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
+    for start_n in range(0, hi, BLOCK_N):
+        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
+    _finish(o_ptr, lse_ptr, acc, l, m, head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+
+
+@triton.jit
+def flash_no_rescale(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
+                     o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output so far is not rescaled when a key block raises the max (l is)."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        visible = cols[None, :] < seq_len
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        s = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        l = l * tl.exp(m - m_new) + tl.sum(p, axis=1)
+        acc = acc + tl.dot(p, v)
+        m = m_new
+    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+
+
+@triton.jit
+def flash_diagonal_excluded(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
+                            o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Causal mask cols < rows: a query does not see its own key (and row 0 sees nothing: NaN)."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
+    for start_n in range(0, hi, BLOCK_N):
+        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N) + CAUSAL, rows, seq_len, scale,
+                          CAUSAL)
+    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+
+
+@triton.jit
+def flash_rows_head_dim_apart(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
+                              o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows addressed head_dim apart: right only for contiguous q, k, v."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _tile(q_ptr, head, seq_len * head_dim, head_dim, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
+    for start_n in range(0, hi, BLOCK_N):
+        k = _tile(k_ptr, head, seq_len * head_dim, head_dim, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        v = _tile(v_ptr, head, seq_len * head_dim, head_dim, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
+    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+
+
+# ---- the stretch: FlashAttention forward, declared on the engine -------------------------------------------
+TF32 = not INTERPRETED            # a compiled fp32 tl.dot runs in TF32 unless told input_precision="ieee"
+
+
+@dataclass(frozen=True)
+class AttentionClose(Close):
+    """fp32 against float64 up to the roundings of attention (picotron.kernels.flash_attention_torch's
+    attention_roundings, carried by the expected tensor), TF32 where a compiled tl.dot uses it."""
+
+    def close(self, got, want) -> bool:
+        return tolerance.close_enough(got, want, n=getattr(want, "roundings", 1), dtype=torch.float32, tf32=TF32)
+
+
+def _flash_case(seed: int, name, heads, seq, head_dim, block_m, block_n, causal, make) -> dict:
+    q, k, v = _attention_data(heads, seq, head_dim, make, 300 + seed)
+    return {"case": name, "(heads, s, d)": (heads, seq, head_dim), "BLOCK_M x BLOCK_N": f"{block_m} x {block_n}",
+            "causal": causal, "_qkv": (q, k, v), "_scale": 1.0 / math.sqrt(head_dim),
+            "_constexprs": dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, _block(head_dim)))}
+
+
+def observe_flash(answers: list, cases: list) -> list:
+    """Launch each kernel with one program per (head, query block) on each case: what it raised, its traffic
+    (from its IR), O, its NaNs, the lse, and the values outside O it overwrote."""
+    observed = []
+    for kernel in answers:
+        seen = []
+        for case in cases:
+            (q, k, v), (heads, seq, head_dim), constexprs = case["_qkv"], case["(heads, s, d)"], case["_constexprs"]
+            buffer, rows_out = _output_buffer(heads * seq, head_dim, 3, torch.float32)
+            out = rows_out.view(heads, seq, head_dim)
+            lse = _with_room(torch.full((heads, seq), SENTINEL), fill=SENTINEL)
+            args = (q, k, v, out, lse, seq, head_dim, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                    case["_scale"])
+            try:
+                launch(kernel, (heads, -(-seq // constexprs["BLOCK_M"])), *args, **constexprs)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a crash is a failed case, shown in the table
+                seen.append({"raised": _first_line(e)})
+                continue
+            o = out.cpu()
+            seen.append({"raised": "", **_flash_traffic(kernel, _arguments(kernel, args, constexprs), constexprs,
+                                                        heads, seq),
+                         "NaN": int(o.isnan().sum()), "O": o, "O (torch)": o, "lse": lse.cpu(),
+                         "outside": _outside_touched(buffer, rows_out)})
+        observed.append(seen)
+    return observed
+
+
+def expect_flash(case: dict, observed: dict) -> dict:
+    from picotron.kernels.flash_attention_torch import attention_roundings, flash_attention_torch
+
+    (q, k, v), (_, seq, head_dim), c = case["_qkv"], case["(heads, s, d)"], case["_constexprs"]
+    qd, kd, vd = (t.cpu().double() for t in (q, k, v))
+    causal, scale = c["CAUSAL"], case["_scale"]
+    scores = (qd @ kd.mT) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    in_torch = flash_attention_torch(q.cpu(), k.cpu(), v.cpu(), causal=causal, scale=scale, block_q=c["BLOCK_M"],
+                                     block_k=c["BLOCK_N"])
+    n = attention_roundings(head_dim, seq)
+    tile = max(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_D"])
+    return {"raised": "", "counted": "", "largest": tile, "q load": c["BLOCK_M"] * c["BLOCK_D"],
+            "k load": c["BLOCK_N"] * c["BLOCK_D"], "v load": c["BLOCK_N"] * c["BLOCK_D"], "passes": "",
+            "other stores": [], "NaN": 0,
+            "O": per_case(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale), n=n),
+            "O (torch)": per_case(in_torch, n=n),
+            "lse": per_case(torch.logsumexp(scores, dim=-1), n=attention_roundings(head_dim, seq, of="lse")),
+            "outside": 0}
+
+
+def _load_rule(name: str, what: str) -> AtMost:
+    return AtMost(f"the widest load of {name}", rule=f"one load of {name} reads {{got}} values: at most a {what} "
+                                                     "tile ({want})")
+
+
+FLASH_ATTENTION = Check(
+    "flash_attention_kernel", cases=[_flash_case(seed, *case) for seed, case in enumerate(FLASH_CASES)],
+    observe=observe_flash, expect=expect_flash, course="picotron.kernels",
+    note=(f"one program per (head, query block), in "
+          f"{WHERE if INTERPRETED else 'a compiled GPU kernel (fp32 tl.dot in TF32)'}; expected O = SDPA in "
+          "float64 and picotron's torch FlashAttention, lse = logsumexp in float64; loads counted on the kernel's "
+          "Triton IR"),
+    quantities={"raised": RAISED, "counted": Said("the count of loads and stores on the kernel's Triton IR"),
+                "q load": _load_rule("q_ptr", "BLOCK_M x BLOCK_D"), "k load": _load_rule("k_ptr", "BLOCK_N x BLOCK_D"),
+                "v load": _load_rule("v_ptr", "BLOCK_N x BLOCK_D"),
+                "largest": AtMost("the longest dimension of a tensor the kernel holds",
+                                  rule="the kernel holds a tensor {got} long, longer than any tile ({want}): never "
+                                       "the s x s scores, nor a whole row of them"),
+                "passes": Said("the passes over K and V of a query block"),
+                "other stores": Exact("the arguments stored through besides O and the lse (write O and the lse only)"),
+                "NaN": Exact("NaN in O (an exp(-inf - (-inf)) or a 0 / 0 somewhere)"),
+                "O": AttentionClose("O against SDPA"),
+                "O (torch)": AttentionClose("O against picotron's torch FlashAttention"),
+                "lse": AttentionClose("lse (store m + log l of row i, natural log, at lse_ptr + head * seq_len + i)"),
+                "outside": Exact("values outside O overwritten (mask the store (rows < seq_len, dims < head_dim) "
+                                 "and address O through o_head_stride and o_row_stride)")},
+    misconceptions=[
+        Misconception(flash_double_key_tiles, "load K and V one BLOCK_N x BLOCK_D tile at a time"),
+        Misconception(flash_whole_rows_of_scores, "hold one BLOCK_M x BLOCK_N tile of scores at a time, never a "
+                                                  "whole row of them: fold each key block into the running max, sum "
+                                                  "and output"),
+        Misconception(flash_two_passes, "one pass over K and V per query block: the online softmax rescales the "
+                                        "running sum and output as the max rises"),
+        Misconception(flash_causal_computes_every_block, "causal: stop the key loop at the query block's last row; "
+                                                         "the blocks above the diagonal are all masked"),
+        Misconception(flash_stores_the_max, "store the log-sum-exp m + log(l) of each row, not the max m alone"),
+        Misconception(flash_no_rescale, "when a key block raises the running max, rescale the running sum and the "
+                                        "output accumulator by exp(m_old - m_new)"),
+        Misconception(flash_diagonal_excluded, "causal: a query attends to its own key, mask keys > query (not >=)"),
+        Misconception(flash_rows_head_dim_apart, "address rows through row_stride (and O through o_row_stride): "
+                                                 "rows are not head_dim apart")])
+
+
+def check_flash_attention_kernel(flash_attention_kernel) -> None:
+    """Launch flash_attention_kernel with one program per (head, query block) on each case of FLASH_CASES; compare
+    O with F.scaled_dot_product_attention in float64 and with picotron's FlashAttention in torch
+    (picotron/kernels/flash_attention_torch.py, same tiles), and the log-sum-exp with torch.logsumexp in float64.
+    From the kernel's Triton IR (the same on a CPU and a GPU): loads of at most a BLOCK_M x BLOCK_D tile of Q and
+    a BLOCK_N x BLOCK_D tile of K or V, no tensor longer than a tile, one pass over K and V per query block, and
+    (causal) no key block above the diagonal."""
+    FLASH_ATTENTION(flash_attention_kernel)
+
+
+def _flash_traffic(kernel, named: dict, constexprs: dict, heads: int, seq: int) -> dict:
+    """The stretch's traffic, from the kernel's IR, for every program: the longest dimension of a tensor it holds,
+    its widest loads of Q, K and V, the first program that reads K or V more than once ("" when none; causal:
+    the key blocks above the diagonal), the arguments stored through besides O and the lse; or why they could
+    not be counted."""
+    block_m, block_n, block_d, causal = (constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "CAUSAL"))
+    q_name, k_name, v_name, o_name, lse_name = list(named)[:5]
+    try:
+        kernel_ir = _kernel_ir(kernel, named, constexprs)
+        programs = {(h, b): kernel_ir.traffic((h, b, 0), named) for h in range(heads)
+                    for b in range(-(-seq // block_m))}
+    except _Unknown as e:
+        return {"counted": f"could not count what the kernel loads: {e}"}
+    except Exception as e:  # noqa: BLE001 - a kernel the compiler refuses is a failed case, said in one line
+        return {"counted": f"could not compile the kernel to count its loads: {_first_line(e)}"}
+    largest, _ = kernel_ir.largest_dimension()
+    first = programs[(0, 0)]
+    facts = {"counted": "", "largest": largest}
+    for key, name in (("q load", q_name), ("k load", k_name), ("v load", v_name)):
+        facts[key] = max((math.prod(s) for s in first.load_shapes.get(name, ())), default=0)
+    passes = ""
+    for (head, block), traffic in programs.items():
+        visible = min((block + 1) * block_m, seq) if causal else seq         # keys this query block can see
+        needed, every = -(-visible // block_n), -(-seq // block_n)
+        for name in (k_name, v_name):
+            tiles = traffic.loaded(name) / (block_n * block_d)
+            if tiles > needed and causal and tiles <= every:
+                passes = passes or (f"causal: program (head {head}, query block {block}) loads {tiles:.0f} tiles "
+                                    f"of {name} where {needed} reach its last row: skip the key blocks above the "
+                                    "diagonal")
+            elif tiles > needed:
+                passes = passes or (f"{name} was read {tiles / needed:.2f} times by program (head {head}, query "
+                                    f"block {block}): one pass over K and V per query block (the online softmax)")
+        if passes:
+            break                                    # one program says it; the others would say the same
+    return {**facts, "passes": passes,
+            "other stores": sorted({name for t in programs.values() for name in t.stores} - {o_name, lse_name})}
 
 
 def _kernel_ir(kernel, named: dict, constexprs: dict) -> "KernelIR":
@@ -479,42 +1198,6 @@ def _arguments(kernel, args: tuple, constexprs: dict) -> dict:
     """The launch's arguments by the kernel's parameter names (positional ones, then the constexprs)."""
     names = list(inspect.signature(_python_function(kernel)).parameters)
     return {**dict(zip(names, args)), **constexprs}
-
-
-def _run_case(report: Report, name: str, dtype: torch.dtype, expected: torch.Tensor, buffer: torch.Tensor,
-              out: torch.Tensor, x: torch.Tensor, call: Callable[[], None], rstd=None, n: int | None = None,
-              traffic: Callable[[], tuple[dict, list[str]]] | None = None) -> None:
-    """Run one launch and add its row: output (and rstd) against expected, and nothing written elsewhere.
-    n: the roundings behind each fp32 output (default n_cols + 2); traffic(): extra columns and problems."""
-    columns = {"case": name, "shape": tuple(out.shape), "dtype": dtype, "row strides": (x.stride(0), out.stride(0))}
-    try:
-        call()
-    except NotImplementedError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a crash is a failed case, shown in the table
-        report.add(ok=False, detail=f"the kernel raised {_first_line(e)}", **columns, max_abs_err=math.inf)
-        return
-    actual = out.cpu()
-    problems = []
-    if not _close(actual, expected.cpu(), dtype, out.shape[-1] if n is None else n):
-        problems.append("y: " + mismatch(actual.double(), expected.cpu().double()))
-        if actual.isnan().any() and not expected.isnan().any():
-            problems.append("NaN in the output: an inf / inf, a 0 / 0 or an exp(-inf - (-inf)) somewhere")
-    if rstd is not None:
-        got, want = rstd[0].cpu(), rstd[1].cpu()
-        if not tolerance.close_enough(got, want, n=out.shape[-1] + 2, dtype=torch.float32, tf32=False):
-            problems.append("rstd (store 1/sqrt(mean(x^2) + eps) of row r at rstd_ptr + r): "
-                            + mismatch(got.double(), want))
-    touched = _outside_touched(buffer, out)
-    if touched:
-        problems.append(f"{touched} values outside the rows were overwritten: mask the store (cols < n_cols) and "
-                        "address row r of the output at out_ptr + r * out_row_stride")
-    if traffic is not None:
-        more_columns, more_problems = traffic()
-        columns.update(more_columns)
-        problems += more_problems
-    err = max_abs_error(actual.double().nan_to_num(nan=math.inf), expected.cpu().double())
-    report.add(ok=not problems, detail="; ".join(problems), **columns, max_abs_err=err)
 
 
 # ---- what the kernel reads and writes, from its Triton IR (the same on a CPU and a GPU) ---------------
