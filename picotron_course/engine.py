@@ -200,6 +200,7 @@ class Check:
     note: str = ""
     course: str | tuple | None = None
     only: dict | None = None
+    requires: tuple = ()   # packages the check (and its records) cannot run without, e.g. ("triton",)
 
     def __post_init__(self):
         CHECKS.append(self)
