@@ -27,6 +27,7 @@ there.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -205,6 +206,15 @@ class Check:
     def __post_init__(self):
         CHECKS.append(self)
         self._theirs: list | None = None   # the misconceptions' observations, made once per process
+
+    def missing(self) -> list[str]:
+        """The packages of `requires` this Python cannot import (a finder that hides one may raise)."""
+        def found(name: str) -> bool:
+            try:
+                return importlib.util.find_spec(name) is not None
+            except ImportError:
+                return False
+        return [name for name in self.requires if not found(name)]
 
     def refuse(self, answer, *made) -> None:
         """Refuse `answer` (each of a tuple of answers), and what it made (an instance, its parts), when it is the
