@@ -33,10 +33,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from picotron_course import settings
-from picotron_course.checks import (CollectiveNotAllowed, collectives_observed, on_ranks, one_thread,
+from picotron_course.checks import (CollectiveNotAllowed, collectives_observed, one_thread,
                                     only_point_to_point, patched, preview, raised, rank_tensor, tensors_in)
-from picotron_course.engine import Check, Close, Exact, Misconception, Said, by_rank, named
+from picotron_course.engine import Check, Close, Exact, Misconception, Said, named, observe_on_ranks
 
 __all__ = ["check_layout", "check_merge", "check_attend_block", "check_ring_attention", "check_mesh_2d",
            "check_attention_2d", "WORLD", "CP_SIZES", "HOP_TIMEOUT"]
@@ -88,23 +87,6 @@ def _in_process(seen: Callable, what: str) -> Callable:
         with _course_answer_refused(what), one_thread():
             return [[seen(answer, case) for case in cases] for answer in answers]
     return observe
-
-
-def _launch(run: Callable, groups: Callable, what: str, deadlock: str) -> Callable:
-    """observe on WORLD ranks, every answer on every case in one launch (engine.by_rank): run(answer, case, *groups)
-    with the groups of the case (groups() -> {case["_groups"]: groups}). Past the check's timeout: `deadlock`."""
-    def observe(answers: list, cases: list) -> list:
-        try:
-            return by_rank(on_ranks(_each, WORLD, run, groups, answers, cases))
-        except TimeoutError as e:
-            raise AssertionError(f"{what} did not finish on every rank within {settings.check_timeout:g} s: "
-                                 f"{deadlock} {str(e).splitlines()[0]}") from None
-    return observe
-
-
-def _each(run: Callable, groups: Callable, answers: list, cases: list) -> list:
-    made = groups()
-    return [[run(answer, case, *made[case["_groups"]]) for case in cases] for answer in answers]
 
 
 def _kind(value) -> str:
@@ -747,10 +729,10 @@ _RING_REPEATED_HEADS = _variant(_Ring, "RingRepeatedHeads", block=lambda self, q
 _TO_NEXT = ("in the ring each rank sends to the next rank and receives from the previous (global ranks), so that at "
             "step τ it holds the block of group rank (r - τ) mod cp")
 RING = Check(
-    "ring_attention", observe=_launch(_ring_case, _rings, "ring_attention", "a rank waited for a transfer that never "
-                                      "came (a deadlock) or a loop never ended. Each rank posts one send to the next "
-                                      "rank of its group and one receive from the previous, on the group passed in "
-                                      "(dist.P2POp(..., group))."),
+    "ring_attention", observe=observe_on_ranks(WORLD, _ring_case, _rings, "_groups", deadlock=(
+        "ring_attention did not finish on every rank within {timeout:g} s: a rank waited for a transfer that never "
+        "came (a deadlock) or a loop never ended. Each rank posts one send to the next rank of its group and one "
+        "receive from the previous, on the group passed in (dist.P2POp(..., group)).")),
     expect=_expect_ring, course=COURSE, only=ONLY, cases=_ring_cases(),
     note="4 ranks as one ring of cp=4 and as two rings of cp=2 (ranks 0-1, 2-3); each rank gets q, k, v of its "
          "positions. Expected: full causal attention (float64) at those positions; (cp-1) K/V blocks sent per rank, "
@@ -1028,9 +1010,10 @@ def _interleaved(self, x, scatter_dim, gather_dim, group):
 
 
 ATTENTION_2D = Check(
-    "attention_2d", observe=_launch(_attention_2d_case, _meshes, "attention_2d", "a rank waited in a collective or a "
-                                    "hop the others never joined. Every rank of a group must make the same calls, in "
-                                    "the same order, with the same sizes."),
+    "attention_2d", observe=observe_on_ranks(WORLD, _attention_2d_case, _meshes, "_groups", deadlock=(
+        "attention_2d did not finish on every rank within {timeout:g} s: a rank waited in a collective or a hop the "
+        "others never joined. Every rank of a group must make the same calls, in the same order, with the same "
+        "sizes.")),
     expect=_expect_2d, course=COURSE, only=ONLY,
     note="4 ranks as u x r = 2 x 2 (Ulysses groups 0-1, 2-3; rings 0-2, 1-3), 1 x 4 (one ring), 4 x 1 (one Ulysses "
          "group); each rank gets q, k, v of its positions. Expected: full causal attention (float64) at those "

@@ -26,7 +26,7 @@ from torch.autograd import Function
 
 from picotron_course.checks import (all_ranks_ok, close_enough, collectives_observed, grad_of, on_ranks, payload_of,
                                     rank_tensor, reduce_name)
-from picotron_course.engine import Check, Close, Exact, Misconception
+from picotron_course.engine import Check, Close, Exact, Misconception, observe_on_ranks
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "check_vocab_parallel_cross_entropy", "check_gather_from_sp", "check_reduce_scatter_to_sp",
@@ -128,13 +128,8 @@ def _cases(items: list, **shown: Callable) -> list[dict]:
 
 def _launch(run: Callable, *args) -> Callable:
     """observe: all answers on all cases in one launch of WORLD ranks, run(*args, answer, case, group) -> what a rank
-    saw; as [answer][case] dicts of lists over the ranks (engine.by_rank), None where a rank did not get as far."""
-    def observe(answers: list, cases: list) -> list:
-        per_rank = on_ranks(_each_case, WORLD, functools.partial(run, *args), answers, cases)
-        return [[{key: [rank[a][c].get(key) for rank in per_rank] for key in
-                  dict.fromkeys(key for rank in per_rank for key in rank[a][c])} for c in range(len(cases))]
-                for a in range(len(answers))]
-    return observe
+    saw, in the group of the case's tp (engine.observe_on_ranks)."""
+    return observe_on_ranks(WORLD, functools.partial(run, *args), _groups, "tp")
 
 
 def _parts(kind: str, items: list) -> tuple:
@@ -149,11 +144,6 @@ def _parts(kind: str, items: list) -> tuple:
         _, a, b = case["_item"]
         case["_weights"] = [(b, a), (a, b)][:1 + mlp]
     return cases, _launch(_layers, kind), _expect_layers(kind)
-
-
-def _each_case(run: Callable, answers: list, cases: list) -> list:
-    groups = _groups()
-    return [[run(answer, case, groups[case["tp"]]) for case in cases] for answer in answers]
 
 
 def _run(call: Callable, x: torch.Tensor, upstream: torch.Tensor, group, leaves: dict, whole: int = 0) -> dict:

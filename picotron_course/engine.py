@@ -20,7 +20,8 @@ answer fails, the engine runs the check's misconceptions on the same cases (one 
 records are fixed code) and reports the hint of the first whose mistake the answer reproduces: it fails in the
 same cases, first at the same observation, with the same value there (what follows a first mistake, say a
 gradient an early all-reduce read, may vary by run). An answer whose mistake no record makes gets the first
-difference without a hint. The same records are the tests of the check (tests/test_misconceptions.py): each must
+difference without a hint. A check that runs on ranks observes through `observe_on_ranks` (one launch for every
+answer and case, each case in its group, a deadlock named). The same records are the tests of the check (tests/test_misconceptions.py): each must
 fail its check with its own hint, so two records that cannot be told apart, or a check that cannot see one, fail
 there.
 """
@@ -35,10 +36,12 @@ from typing import Any, Callable
 import torch
 
 from picotron_course.checks import Report, close_enough, close_in_training, max_abs_error, mismatch, preview
+from picotron_course import settings
 from picotron_course.checks import not_the_course_answer
+from picotron_course.checks import on_ranks as launch
 
 __all__ = ["Quantity", "Exact", "Said", "Close", "per_case", "InTraining", "Within", "Misconception", "Check", "CHECKS",
-           "named", "by_rank"]
+           "named", "observe_on_ranks", "by_rank"]
 
 CHECKS: list["Check"] = []   # every check declared, in the order its module was imported
 
@@ -231,7 +234,8 @@ class Check:
         differences = [self.differences(got, want) for got, want in zip(observed, expected)]
         report = Report(self.title, self.note)
         for case, got, want, wrong in zip(self.cases, observed, expected, differences):
-            errors = [q.error(got.get(k), want[k]) for k, q in self.quantities.items() if isinstance(q, _Tensors)]
+            errors = [q.error(got.get(k), want[k]) for k, q in self.quantities.items()
+                      if isinstance(q, _Tensors) and k in want]
             shown = {k: v for k, v in case.items() if not k.startswith("_")}
             report.add(not wrong, next(iter(wrong.values()), ""), **shown,
                        **(self.columns(case, got) if self.columns else {}),
@@ -289,6 +293,34 @@ def named(name: str, answer: Callable) -> Callable:
 
 
 # ---- observations made on ranks ----------------------------------------------------------------
+def observe_on_ranks(world: int, run_case: Callable, groups: Callable | None = None, key: str = "",
+                     deadlock: str = "") -> Callable:
+    """observe(answers, cases) on `world` ranks: one launch runs every answer on every case, as [answer][case] dicts
+    of lists over the ranks (by_rank). On each rank, groups() -> {case[key]: group or tuple of groups} is made once
+    (new_group is collective: every rank makes every group, in one order) and run_case(answer, case, *its groups)
+    says what the rank saw. `deadlock`: what to say when the ranks do not finish within the check's timeout (a
+    rank waits for a message no rank sends; "{timeout}" in it becomes the timeout), followed by the first line of
+    the launcher's own message; without it the TimeoutError goes through."""
+    def observe(answers: list, cases: list) -> list:
+        try:
+            return by_rank(launch(_every_case, world, run_case, groups, key, answers, cases))
+        except TimeoutError as e:
+            if not deadlock:
+                raise
+            raise AssertionError(deadlock.format(timeout=settings.check_timeout) + " " + str(e).splitlines()[0]) \
+                from None
+    return observe
+
+
+def _every_case(run_case: Callable, groups: Callable | None, key: str, answers: list, cases: list) -> list:
+    made = groups() if groups else {}
+
+    def of(case) -> tuple:
+        group = made[case[key]] if groups else ()
+        return group if isinstance(group, tuple) else (group,)
+    return [[run_case(answer, case, *of(case)) for case in cases] for answer in answers]
+
+
 def by_rank(per_rank: list) -> list:
     """What each rank returned, [rank][answer][case] dicts, as [answer][case] dicts whose values are lists over
     the ranks: the shape `observe` returns. A rank that stopped before it observed something has None there."""

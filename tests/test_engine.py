@@ -4,12 +4,13 @@ The course's checks and their records test the engine too (tests/test_misconcept
 pins the rules: the first difference named inside nested values, lists of different lengths, a hint only for an
 answer that makes a record's mistake (NaN included), none for another mistake."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from picotron_course import engine
+from picotron_course import checks, engine
 from picotron_course.engine import Check, Close, Exact, Misconception
 
 
@@ -77,3 +78,45 @@ def test_close_takes_roundings_per_case_from_the_expected_tensor():
     assert not Close("x", n=1).equal(got, want)
     assert Close("x", n=1).equal(got, engine.per_case(want.clone(), n=10**6))
     assert math.isinf(Close("x").error(None, want))
+
+
+# ---- the one launcher of the checks that run on ranks ------------------------------------------------
+def _pairs():
+    import torch.distributed as dist
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return {4: dist.group.WORLD, 2: pairs[dist.get_rank() // 2]}
+
+
+def _summed(answer, case, group):
+    import torch.distributed as dist
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    answer(t, group)
+    return {"sum": t.item(), "group size": dist.get_world_size(group)}
+
+
+def _all_reduce(t, group):
+    import torch.distributed as dist
+    dist.all_reduce(t, group=group)
+
+
+def _only_rank_0_waits(t, group):
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        dist.recv(t, 1)
+
+
+def test_observe_on_ranks_runs_each_case_in_its_group_and_merges_by_rank():
+    observe = engine.observe_on_ranks(4, _summed, _pairs, "tp")
+    (got_tp4, got_tp2), = observe([_all_reduce], [{"tp": 4}, {"tp": 2}])
+    assert got_tp4 == {"sum": [10.0] * 4, "group size": [4] * 4}
+    assert got_tp2 == {"sum": [3.0, 3.0, 7.0, 7.0], "group size": [2] * 4}
+
+
+def test_observe_on_ranks_names_a_deadlock(monkeypatch):
+    quick = dataclasses.replace(engine.settings, check_timeout=5.0)
+    monkeypatch.setattr(engine, "settings", quick)
+    monkeypatch.setattr(checks, "settings", quick)   # the launcher's own timeout
+    observe = engine.observe_on_ranks(2, _summed, lambda: {1: None}, "k",
+                                      deadlock="it did not finish within {timeout:g} s: a receive no rank sends to.")
+    with pytest.raises(AssertionError, match=r"^it did not finish within 5 s: a receive no rank sends to\. "):
+        observe([_only_rank_0_waits], [{"k": 1}])
