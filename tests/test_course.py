@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from picotron.comm import send_recv
-from picotron_course import checks, exercises
-from picotron_course.checks import (CollectiveNotAllowed, check_all_gather_phase, check_chunk_to_send,
-                                    check_reduce_scatter_phase, check_ring_all_reduce)
+from picotron_course import checks_collectives as collectives, exercises
+from picotron_course.checks import CollectiveNotAllowed
+from picotron_course.checks_collectives import (check_all_gather_phase, check_chunk_to_send,
+                                                check_reduce_scatter_phase, check_ring_all_reduce)
 from picotron_course.exercises import MarkerError, is_check_cell, stub_code, stub_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,8 @@ def test_generate_only_the_named_assignments(tmp_path):
     shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
     (tmp_path / "exercises").mkdir()
     first, second = EXERCISE_NOTEBOOKS[0].stem, EXERCISE_NOTEBOOKS[1].stem
-    assert exercises.generate(tmp_path, only=[f"solutions/{first}.ipynb"]) == [tmp_path / "exercises" / f"{first}.ipynb"]
+    made = exercises.generate(tmp_path, only=[f"solutions/{first}.ipynb"])
+    assert made == [tmp_path / "exercises" / f"{first}.ipynb"]
     assert not (tmp_path / "exercises" / f"{second}.ipynb").exists()   # the others are left alone
     with pytest.raises(ValueError, match="no solutions/<name>.ipynb for \\['99_nope'\\]"):
         exercises.generate(tmp_path, only=["99_nope"])
@@ -170,10 +172,11 @@ def test_correct_answer_passes(check, answer, capsys):
 
 def test_ring_check_covers_the_cases_it_promises():
     """World sizes 2-4, float32 and float64, sizes that split over the ranks and sizes that do not."""
-    assert set(checks.RING_WORLDS) >= {2, 3, 4} and set(checks.RING_DTYPES) == {torch.float32, torch.float64}
-    numels = [(world, torch.Size(shape).numel()) for world in checks.RING_WORLDS for shape in checks.RING_SHAPES]
+    assert set(collectives.RING_WORLDS) >= {2, 3, 4} and set(collectives.RING_DTYPES) == {torch.float32, torch.float64}
+    numels = [(world, torch.Size(shape).numel()) for world in collectives.RING_WORLDS
+              for shape in collectives.RING_SHAPES]
     assert any(n % w == 0 for w, n in numels) and any(n % w for w, n in numels) and any(n < w for w, n in numels)
-    assert any(len(shape) > 1 for shape in checks.RING_SHAPES)
+    assert any(len(shape) > 1 for shape in collectives.RING_SHAPES)
 
 
 # ---- 3. planted wrong answers fail their check -------------------------------------------------
@@ -381,6 +384,6 @@ def test_check_cells_are_recognised():
     cell = nbformat.v4.new_code_cell
     assert is_check_cell(cell("check_ring_all_reduce(ring_all_reduce)"))
     assert is_check_cell(cell("# run it\nfor f in fs:\n    check_thing(f)"))
-    assert not is_check_cell(cell("from picotron_course.checks import check_ring_all_reduce"))
+    assert not is_check_cell(cell("from picotron_course.checks_collectives import check_ring_all_reduce"))
     assert not is_check_cell(cell("def check_mine(x):\n    return x"))
     assert not is_check_cell(nbformat.v4.new_markdown_cell("check_ring_all_reduce(f)"))
