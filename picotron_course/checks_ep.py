@@ -45,9 +45,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from picotron_course.checks import (all_ranks_ok, close_enough, collectives_observed, grad_of, on_ranks, one_thread,
+from picotron_course.checks import (all_ranks_ok, close_enough, collectives_observed, grad_of, one_thread,
                                     payload_of, raised, rank_tensor)
-from picotron_course.engine import Check, Close, Exact, Misconception, Within, by_rank
+from picotron_course.engine import Check, Close, Exact, Misconception, Within, observe_on_ranks, world_and_halves
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",
            "check_capacity_moe", "unpermute_demo", "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe",
@@ -374,19 +374,13 @@ def _members(ep: int, rank: int) -> list[int]:
 
 def _on_ranks(run_case: Callable) -> Callable:
     """observe(answers, cases) of a check on ranks: one launch runs every answer on every case, each in the group
-    of its ep; the observations by answer and case, each a list over the ranks (engine.by_rank)."""
-    return lambda answers, cases: by_rank(on_ranks(_every_case, WORLD, run_case, answers, cases))
+    of its ep (engine.observe_on_ranks)."""
+    return observe_on_ranks(WORLD, run_case, world_and_halves, "ep")
 
 
 def _in_process(run_case: Callable) -> Callable:
     """observe(answers, cases) of a check in this process."""
     return lambda answers, cases: [[run_case(answer, case) for case in cases] for answer in answers]
-
-
-def _every_case(run_case: Callable, answers: list, cases: list) -> list:
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    groups = {WORLD: dist.group.WORLD, 2: pairs[dist.get_rank() // 2]}
-    return [[run_case(answer, case, groups[case["ep"]]) for case in cases] for answer in answers]
 
 
 def _route_cases(**columns: Callable) -> list[dict]:

@@ -26,7 +26,7 @@ from torch.autograd import Function
 
 from picotron_course.checks import (all_ranks_ok, close_enough, collectives_observed, grad_of, on_ranks, payload_of,
                                     rank_tensor, reduce_name)
-from picotron_course.engine import Check, Close, Exact, Misconception, observe_on_ranks
+from picotron_course.engine import Check, Close, Exact, Misconception, observe_on_ranks, world_and_halves
 
 __all__ = ["check_copy_to_tp", "check_reduce_from_tp", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "check_vocab_parallel_cross_entropy", "check_gather_from_sp", "check_reduce_scatter_to_sp",
@@ -114,12 +114,6 @@ def _comm(tp: int, nbytes: int = 0) -> dict:
 
 
 # ---- running an answer on the ranks ------------------------------------------------------------
-def _groups() -> dict[int, object]:
-    """{tp: group} of the groups this rank belongs to: all 4 ranks, and its pair (every rank makes both pairs)."""
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    return {WORLD: dist.group.WORLD, 2: pairs[dist.get_rank() // 2]}
-
-
 def _cases(items: list, **shown: Callable) -> list[dict]:
     """A check's cases, tp groups of 4 then of 2: `shown` columns made from each item, the item and seed hidden."""
     return [{"tp": tp, **{name: f(item) for name, f in shown.items()}, "_item": item, "_seed": seed}
@@ -129,7 +123,7 @@ def _cases(items: list, **shown: Callable) -> list[dict]:
 def _launch(run: Callable, *args) -> Callable:
     """observe: all answers on all cases in one launch of WORLD ranks, run(*args, answer, case, group) -> what a rank
     saw, in the group of the case's tp (engine.observe_on_ranks)."""
-    return observe_on_ranks(WORLD, functools.partial(run, *args), _groups, "tp")
+    return observe_on_ranks(WORLD, functools.partial(run, *args), world_and_halves, "tp")
 
 
 def _parts(kind: str, items: list) -> tuple:
@@ -935,7 +929,7 @@ def _demo_one_process(x, target, w_up, w_down) -> dict:
 def _mlp_with_g_on_rank(g: type) -> list:
     rank, out = dist.get_rank(), []
     x, target, w_up, w_down = _demo_data()
-    for tp, group in _groups().items():
+    for tp, group in world_and_halves().items():
         i = rank % tp
         shards = [_cut(w_up, i, tp, 0), _cut(w_down, i, tp, 1)]   # column's rows, row's columns
         up, down = (w.clone().requires_grad_() for w in shards)

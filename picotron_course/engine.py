@@ -20,10 +20,12 @@ answer fails, the engine runs the check's misconceptions on the same cases (one 
 records are fixed code) and reports the hint of the first whose mistake the answer reproduces: it fails in the
 same cases, first at the same observation, with the same value there (what follows a first mistake, say a
 gradient an early all-reduce read, may vary by run). An answer whose mistake no record makes gets the first
-difference without a hint. A check that runs on ranks observes through `observe_on_ranks` (one launch for every
-answer and case, each case in its group, a deadlock named). The same records are the tests of the check (tests/test_misconceptions.py): each must
+difference without a hint. The same records are the tests of the check (tests/test_misconceptions.py): each must
 fail its check with its own hint, so two records that cannot be told apart, or a check that cannot see one, fail
 there.
+
+A check that runs on ranks observes through `observe_on_ranks`: one launch for every answer and case, each case
+in its group (`world_and_halves`: the groups of all ranks and of half of them), a deadlock named.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from picotron_course.checks import Report, close_enough, close_in_training, max_abs_error, mismatch, preview
 from picotron_course import settings
@@ -41,7 +44,7 @@ from picotron_course.checks import not_the_course_answer
 from picotron_course.checks import on_ranks as launch
 
 __all__ = ["Quantity", "Exact", "Said", "Close", "per_case", "InTraining", "Within", "Misconception", "Check", "CHECKS",
-           "named", "observe_on_ranks", "by_rank"]
+           "named", "observe_on_ranks", "world_and_halves", "by_rank"]
 
 CHECKS: list["Check"] = []   # every check declared, in the order its module was imported
 
@@ -319,6 +322,15 @@ def _every_case(run_case: Callable, groups: Callable | None, key: str, answers: 
         group = made[case[key]] if groups else ()
         return group if isinstance(group, tuple) else (group,)
     return [[run_case(answer, case, *of(case)) for case in cases] for answer in answers]
+
+
+def world_and_halves() -> dict:
+    """{world size: the whole world, half of it: this rank's half}, the groups of a check whose cases run in groups
+    of all ranks and of half of them (ranks 0-1 and 2-3 of 4: a rank's place in its group is not its global rank).
+    Every rank makes both halves (new_group is collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    halves = [dist.new_group(list(range(start, start + world // 2))) for start in (0, world // 2)]
+    return {world: dist.group.WORLD, world // 2: halves[rank // (world // 2)]}
 
 
 def by_rank(per_rank: list) -> list:

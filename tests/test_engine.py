@@ -81,12 +81,6 @@ def test_close_takes_roundings_per_case_from_the_expected_tensor():
 
 
 # ---- the one launcher of the checks that run on ranks ------------------------------------------------
-def _pairs():
-    import torch.distributed as dist
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    return {4: dist.group.WORLD, 2: pairs[dist.get_rank() // 2]}
-
-
 def _summed(answer, case, group):
     import torch.distributed as dist
     t = torch.tensor([float(dist.get_rank() + 1)])
@@ -106,7 +100,7 @@ def _only_rank_0_waits(t, group):
 
 
 def test_observe_on_ranks_runs_each_case_in_its_group_and_merges_by_rank():
-    observe = engine.observe_on_ranks(4, _summed, _pairs, "tp")
+    observe = engine.observe_on_ranks(4, _summed, engine.world_and_halves, "tp")
     (got_tp4, got_tp2), = observe([_all_reduce], [{"tp": 4}, {"tp": 2}])
     assert got_tp4 == {"sum": [10.0] * 4, "group size": [4] * 4}
     assert got_tp2 == {"sum": [3.0, 3.0, 7.0, 7.0], "group size": [2] * 4}
