@@ -1,12 +1,11 @@
 """The checks of assignment 07 pass correct answers and refuse the course's own.
 
-The correct answers are written here, not taken from the solution notebook (which runs under
-nbval on its own), so a check that passes everything, or nothing, is caught. The wrong answers
+The correct answer is the checks' own correct code (checks_ep._permute, _AllToAll, _dispatch, _combine,
+_capacity_moe), which the misconceptions change and a learner may not submit, judged with the refusal off; other
+valid answers are written here. So a check that passes everything, or nothing, is caught. The wrong answers
 are the checks' misconceptions, each failing with its hint (tests/test_misconceptions.py).
 Nothing here uses picotron.parallel.expert_parallel, except to see that the checks refuse it.
 """
-
-import math
 
 import pytest
 import torch
@@ -17,16 +16,18 @@ from torch.autograd import Function
 from picotron_course import checks_ep as ep
 from picotron_course.checks_ep import (check_all_to_all, check_capacity_moe, check_combine, check_dispatch,
                                        check_expert_parallel_moe, check_permute, dense_moe, recorded_exchanges)
+from picotron_course.engine import Check
 from picotron.launch import run
 from picotron.model import route
 
 
 # ---- correct answers ------------------------------------------------------------------------------
-def ref_permute(tokens, expert_ids, num_experts):
-    k = expert_ids.shape[1]
-    flat = expert_ids.reshape(-1)                       # slot t*k + j: token t's j-th choice
-    order = flat.argsort(stable=True)
-    return tokens[order // k], order, torch.bincount(flat, minlength=num_experts)
+# The checks' own correct code (the bases their misconceptions change, refused as a learner's answer), judged with
+# the refusal off; then other valid answers, which the checks must accept too.
+BASES = {"permute": (check_permute, ep._permute), "a2a": (check_all_to_all, ep._AllToAll),
+         "dispatch": (check_dispatch, ep._dispatch), "combine": (check_combine, ep._combine),
+         "layer": (check_expert_parallel_moe, ep._permute, ep._dispatch, ep._combine),
+         "capacity": (check_capacity_moe, ep._capacity_moe)}
 
 
 def ref_permute_unstable(tokens, expert_ids, num_experts):
@@ -37,26 +38,8 @@ def ref_permute_unstable(tokens, expert_ids, num_experts):
     return tokens[order // k], order, torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
 
 
-def _exchange(x, send, recv, group):
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
-
-
-class RefAllToAll(Function):
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return _exchange(x, send_splits, recv_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, recv = ctx.splits
-        return _exchange(grad, recv, send, ctx.group), None, None, None
-
-
-class RefAllToAllComm(RefAllToAll):
-    """The same through picotron.comm's wrapper (gloo's list form, dist.all_to_all, wants equal sizes)."""
+class AllToAllComm(Function):
+    """Forward through picotron.comm's wrapper (gloo's list form, dist.all_to_all, wants equal sizes)."""
 
     @staticmethod
     def forward(ctx, x, send_splits, recv_splits, group):
@@ -66,8 +49,10 @@ class RefAllToAllComm(RefAllToAll):
         all_to_all(out, x.contiguous(), recv_splits, send_splits, group=group)
         return out
 
+    backward = staticmethod(ep._AllToAll.backward)
 
-class RefAllToAllTorch(Function):
+
+class AllToAllTorch(Function):
     """torch's own differentiable all-to-all inside."""
 
     @staticmethod
@@ -79,89 +64,47 @@ class RefAllToAllTorch(Function):
         ctx.splits, ctx.group = (send_splits, recv_splits), group
         return y.detach()
 
-    backward = RefAllToAll.backward
-
-
-def ref_dispatch(rows, counts, group, a2a=RefAllToAll):
-    ep = dist.get_world_size(group)
-    received_counts = torch.empty_like(counts)
-    dist.all_to_all_single(received_counts, counts, group=group)       # (E,): [s*L + j] from rank s for my j
-    received_counts = received_counts.view(ep, -1)
-    send = counts.view(ep, -1).sum(1).tolist()
-    recv = received_counts.sum(1).tolist()
-    return a2a.apply(rows, send, recv, group), received_counts, (send, recv)
+    backward = staticmethod(ep._AllToAll.backward)
 
 
 def ref_dispatch_comm(rows, counts, group):
-    return ref_dispatch(rows, counts, group, RefAllToAllComm)
-
-
-def ref_combine(expert_out, splits, order, gates, group, a2a=RefAllToAll):
-    send, recv = splits
-    back = a2a.apply(expert_out, recv, send, group)                     # (T k, h) in the experts' order
-    k = gates.shape[1]
-    weighted = back * gates.reshape(-1)[order].unsqueeze(-1)
-    return back.new_zeros(gates.shape[0], back.shape[1]).index_add(0, order // k, weighted)
+    received_counts, send, recv = ep._exchange_counts(counts, group)
+    return AllToAllComm.apply(rows, send, recv, group), received_counts, (send, recv)
 
 
 def ref_combine_scatter(expert_out, splits, order, gates, group):
     """Un-permute by scattering into slot order, then weight per token."""
     send, recv = splits
-    back = RefAllToAll.apply(expert_out, recv, send, group)
+    back = ep._AllToAll.apply(expert_out, recv, send, group)
     slots = torch.empty_like(back)
     slots[order] = back
     return (slots.view(*gates.shape, -1) * gates.unsqueeze(-1)).sum(1)
 
 
-# The stretch, capacity_moe, written here from the task text (section 8 of the assignment).
-def _kept(expert_ids, num_experts, capacity):
-    """(T, k) bools: each expert keeps its first `capacity` slots, walking first choices, then second, ..."""
-    tokens, top_k = expert_ids.shape
-    used, kept = [0] * num_experts, torch.zeros(tokens, top_k, dtype=torch.bool)
-    for t, j in [(t, j) for j in range(top_k) for t in range(tokens)]:
-        e = int(expert_ids[t, j])
-        if used[e] < capacity:
-            kept[t, j], used[e] = True, used[e] + 1
-    return kept
-
-
-def _layer(x, expert_ids, gates, experts, kept):
-    """Each expert once, on its kept rows; the gate-weighted outputs added into their tokens."""
-    out = x
-    for e, expert in enumerate(experts):
-        token, choice = (kept & (expert_ids == e)).nonzero(as_tuple=True)
-        if len(token):
-            out = out.index_add(0, token, gates[token, choice].unsqueeze(-1) * expert(x[token]))
-    return out
-
-
-def _capacity(factor, tokens, top_k, experts):
-    return math.ceil(factor * tokens * top_k / experts)
-
-
-def ref_capacity_moe(x, expert_ids, gates, experts, capacity_factor):
-    kept = _kept(expert_ids, len(experts), _capacity(capacity_factor, *expert_ids.shape, len(experts)))
-    return _layer(x, expert_ids, gates, experts, kept), kept
-
-
 def ref_capacity_moe_vectorised(x, expert_ids, gates, experts, capacity_factor):
-    """The queue positions by a sort instead of a loop; the experts' rows in slot-priority order."""
+    """The queue positions by a sort instead of a loop; each expert's kept rows in slot-priority order."""
     tokens, top_k = expert_ids.shape
-    capacity = _capacity(capacity_factor, tokens, top_k, len(experts))
+    capacity = ep._capacity_of(tokens, top_k, len(experts), capacity_factor)
     flat = expert_ids.t().reshape(-1)                                    # priority order: choice-major
     order = flat.argsort(stable=True)
     load = torch.bincount(flat, minlength=len(experts))
+    start = load.cumsum(0) - load
     place = torch.empty_like(order)
-    place[order] = torch.arange(order.numel()) - (load.cumsum(0) - load)[flat[order]]
-    kept = (place < capacity).view(top_k, tokens).t()
-    return _layer(x, expert_ids, gates, experts, kept), kept
+    place[order] = torch.arange(order.numel()) - start[flat[order]]
+    out = x
+    for e, expert in enumerate(experts):
+        slot = order[start[e]:start[e] + min(int(load[e]), capacity)]   # slot j T + t: token t's j-th choice
+        if len(slot):
+            token, choice = slot % tokens, slot // tokens
+            out = out.index_add(0, token, gates[token, choice].unsqueeze(-1) * expert(x[token]))
+    return out, (place < capacity).view(top_k, tokens).t()
 
 
 def ref_capacity_moe_padded(x, expert_ids, gates, experts, capacity_factor):
     """Each expert on a buffer of exactly C rows, zeros where no slot was kept (GShard's fixed shapes)."""
     tokens, top_k = expert_ids.shape
-    capacity = _capacity(capacity_factor, tokens, top_k, len(experts))
-    kept = _kept(expert_ids, len(experts), capacity)
+    capacity = ep._capacity_of(tokens, top_k, len(experts), capacity_factor)
+    kept = ep._kept_by_rule(expert_ids, len(experts), capacity)
     out = x
     for e, expert in enumerate(experts):
         token, choice = (kept & (expert_ids == e)).nonzero(as_tuple=True)
@@ -170,23 +113,27 @@ def ref_capacity_moe_padded(x, expert_ids, gates, experts, capacity_factor):
     return out, kept
 
 
-CORRECT = {"permute": (check_permute, ref_permute), "permute_unstable": (check_permute, ref_permute_unstable),
-           "a2a": (check_all_to_all, RefAllToAll), "a2a_comm": (check_all_to_all, RefAllToAllComm),
-           "a2a_torch": (check_all_to_all, RefAllToAllTorch),
-           "dispatch": (check_dispatch, ref_dispatch), "dispatch_comm": (check_dispatch, ref_dispatch_comm),
-           "combine": (check_combine, ref_combine), "combine_scatter": (check_combine, ref_combine_scatter),
-           "layer": (check_expert_parallel_moe, ref_permute, ref_dispatch, ref_combine),
-           "layer_variants": (check_expert_parallel_moe, ref_permute_unstable, ref_dispatch_comm, ref_combine_scatter),
-           "capacity": (check_capacity_moe, ref_capacity_moe),
-           "capacity_vectorised": (check_capacity_moe, ref_capacity_moe_vectorised),
-           "capacity_padded": (check_capacity_moe, ref_capacity_moe_padded)}
+OTHERS = {"permute_unstable": (check_permute, ref_permute_unstable), "a2a_comm": (check_all_to_all, AllToAllComm),
+          "a2a_torch": (check_all_to_all, AllToAllTorch), "dispatch_comm": (check_dispatch, ref_dispatch_comm),
+          "combine_scatter": (check_combine, ref_combine_scatter),
+          "layer_variants": (check_expert_parallel_moe, ref_permute_unstable, ref_dispatch_comm, ref_combine_scatter),
+          "capacity_vectorised": (check_capacity_moe, ref_capacity_moe_vectorised),
+          "capacity_padded": (check_capacity_moe, ref_capacity_moe_padded)}
 
 # The cases each check's table runs (picotron_course.checks.Report): its promise, asserted by every_case.
 CASES = {"permute": 5, "AllToAll": 4, "dispatch": 8, "combine": 8, "expert-parallel MoE layer": 8, "capacity_moe": 7}
 
 
-@pytest.mark.parametrize("check, answers", [(c, a) for c, *a in CORRECT.values()], ids=list(CORRECT))
-def test_correct_answer_passes(check, answers, every_case):
+@pytest.mark.parametrize("check, answers", [(c, a) for c, *a in BASES.values()], ids=list(BASES))
+def test_correct_answer_passes(check, answers, every_case, monkeypatch):
+    for declared in [v for v in vars(ep).values() if isinstance(v, Check)]:
+        monkeypatch.setattr(declared, "course", None)   # Check.refuse refuses nothing (the ranks never refuse here)
+    check(*answers)
+    every_case(CASES)
+
+
+@pytest.mark.parametrize("check, answers", [(c, a) for c, *a in OTHERS.values()], ids=list(OTHERS))
+def test_another_correct_answer_passes(check, answers, every_case):
     check(*answers)
     every_case(CASES)
 
@@ -204,7 +151,7 @@ class SubclassOfTheBase(ep._AllToAll):   # the correct base the misconceptions c
 
 REFUSED = [(check_all_to_all, (_course("TokenAllToAll"),)), (check_all_to_all, (SubclassOfTheBase,)),
            (check_permute, (ep._permute,)), (check_dispatch, (ep._dispatch,)), (check_combine, (ep._combine,)),
-           (check_expert_parallel_moe, (ref_permute, ref_dispatch, ep._combine)),
+           (check_expert_parallel_moe, (ref_permute_unstable, ref_dispatch_comm, ep._combine)),
            (check_capacity_moe, (ep._capacity_moe,)), (check_capacity_moe, (route,))]
 
 

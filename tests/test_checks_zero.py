@@ -1,9 +1,10 @@
 """The checks of assignment 03 pass a correct answer and refuse the course's own.
 
-The correct answers are written here, not taken from the solution notebook (which runs under
-nbval on its own), so a check that passes everything, or nothing, is caught. Nothing here uses
-picotron.parallel.zero. The wrong answers are the checks' misconceptions, each failing with its
-hint (tests/test_misconceptions.py).
+The correct answer is the checks' own correct bases (checks_zero._Zero1, _Unit, _Prefetch), which the
+misconceptions change and a learner may not submit: so the records and the check agree on what is right, and a
+check that passes everything, or nothing, is caught; other valid answers are written here. Nothing here uses
+picotron.parallel.zero. The wrong answers are the checks' misconceptions, each failing with its hint
+(tests/test_misconceptions.py).
 """
 
 import functools
@@ -11,7 +12,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from picotron_course import checks_zero
 from picotron_course.checks_zero import (check_clip_grad_norm, check_shard_range, check_zero1, check_zero3_forward,
@@ -22,114 +22,31 @@ from picotron.launch import run
 AVG = dist.ReduceOp.AVG
 
 
-# ---- a correct answer ------------------------------------------------------------------------
-def ref_shard_range(numel, rank, world):
+# ---- the correct answer: the checks' own bases ---------------------------------------------------
+def unrefused(base: type, **changed) -> type:
+    """`base`, a correct class of checks_zero, with its own methods under this file's name: the checks refuse the
+    course's classes by module and name (Check.refuse), also on the ranks, where no monkeypatch reaches."""
+    body = {k: v for k, v in vars(base).items() if k not in ("__dict__", "__weakref__")}
+    return type(base.__name__.lstrip("_"), base.__bases__, {**body, "__module__": __name__, **changed})
+
+
+Zero1 = unrefused(checks_zero._Zero1)
+Unit = unrefused(checks_zero._Unit)
+Prefetch = unrefused(checks_zero._Prefetch)
+
+
+def clip(shards, numels, max_norm, group):
+    """The checks' own clip: one all-reduce of this rank's sum of squares of its real elements, then scale."""
+    return checks_zero._clip_with(shards, checks_zero._norm(shards, numels, group), max_norm)
+
+
+# ---- other correct answers ------------------------------------------------------------------------
+def ref_shard_range(numel, rank, world):   # checks_zero has none of its own
     size = (numel + world - 1) // world
     return rank * size, rank * size + size
 
 
-def _views_of(flat, params, attribute):
-    start = 0
-    for p in params:
-        setattr(p, attribute, flat.narrow(0, start, p.numel()).view(p.shape))
-        start += p.numel()
-
-
-class RefZero1:
-    """Model parameters and gradients are views of two padded flat buffers; AdamW over this rank's slice."""
-
-    def __init__(self, model, group, lr):
-        self.group = group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        params = list(model.parameters())
-        numel = sum(p.numel() for p in params)
-        start, stop = ref_shard_range(numel, rank, world)
-        self.flat_params = torch.zeros(world * (stop - start))
-        self.flat_params[:numel] = torch.cat([p.detach().reshape(-1) for p in params])
-        self.flat_grads = torch.zeros_like(self.flat_params)
-        _views_of(self.flat_params, params, "data")
-        _views_of(self.flat_grads, params, "grad")
-        self.param_shard = nn.Parameter(self.flat_params[start:stop].clone())
-        self.optimizer = torch.optim.AdamW([self.param_shard], lr=lr)
-
-    def step(self):
-        self.param_shard.grad = self.reduce(self.flat_grads)
-        self.optimizer.step()
-        self.gather()
-
-    def reduce(self, flat):
-        shard = torch.empty_like(self.param_shard)
-        dist.reduce_scatter_tensor(shard, flat, op=AVG, group=self.group)
-        return shard
-
-    def gather(self):
-        dist.all_gather_into_tensor(self.flat_params, self.param_shard.detach(), group=self.group)
-
-    def zero_grad(self):
-        self.flat_grads.zero_()
-
-
-class RefUnit:
-    """One module's parameters as views of a padded flat buffer; this rank keeps 1/N of it."""
-
-    def __init__(self, module, params, group):
-        self.module, self.params, self.group = module, list(params), group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        numel = sum(p.numel() for p in self.params)
-        start, stop = ref_shard_range(numel, rank, world)
-        self.full = torch.zeros(world * (stop - start))
-        self.full[:numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
-        _views_of(self.full, self.params, "data")
-        self.shard = nn.Parameter(self.full[start:stop].clone())
-        self.pending = len(self.params)
-        self.hook_forward()
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self.grad_ready)
-        self.free()
-
-    def hook_forward(self):
-        self.module.register_forward_pre_hook(self.pre_forward)
-        self.module.register_forward_hook(self.post_forward)
-
-    def pre_forward(self, module, args):
-        self.gather()
-
-    def post_forward(self, module, args, output):
-        self.free()
-        if output.requires_grad:
-            output.register_hook(self.pre_backward)
-
-    def pre_backward(self, grad):
-        self.gather()
-
-    def grad_ready(self, param):
-        self.pending -= 1
-        if not self.pending:
-            self.pending = len(self.params)
-            self.reduce_grads()
-            self.free()
-
-    def gather(self):
-        self.full.untyped_storage().resize_(self.full.numel() * 4)
-        dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)
-
-    def free(self):
-        self.full.untyped_storage().resize_(0)
-
-    def flat_grad(self):
-        flat = torch.zeros(self.full.numel())
-        flat[:sum(p.numel() for p in self.params)] = torch.cat([p.grad.reshape(-1) for p in self.params])
-        return flat
-
-    def reduce_grads(self):
-        shard = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(shard, self.flat_grad(), op=AVG, group=self.group)
-        self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
-        for p in self.params:
-            p.grad = None
-
-
-class RefUnitWithComm(RefUnit):
+class UnitWithComm(Unit):
     """The same through picotron.comm's wrappers (which call torch under other names)."""
 
     def gather(self):
@@ -145,11 +62,10 @@ class RefUnitWithComm(RefUnit):
             self.shard.grad = shard
         else:
             self.shard.grad += shard          # in place: also right
-        for p in self.params:
-            p.grad = None
+        self.drop()
 
 
-class RefZero1FreesGrad(RefZero1):
+class Zero1FreesGrad(Zero1):
     """Right too: drops the gradient shard once the optimizer has used it (the task does not forbid it)."""
 
     def step(self):
@@ -161,22 +77,6 @@ def ref_shard_range_list(numel, rank, world):
     import numpy as np
     size = -(-numel // world)
     return [np.int64(rank * size), np.int64((rank + 1) * size)]   # a list of numpy ints: a pair all the same
-
-
-def ref_clip(shards, numels, max_norm, group):
-    """Clip by the global norm of the real elements: one all-reduce of this rank's sum of squares."""
-    rank = dist.get_rank(group)
-    total = torch.zeros(())
-    for shard, numel in zip(shards, numels):
-        k = shard.numel()
-        real = max(0, min(k, numel - rank * k))      # elements of this shard that are not padding
-        total += shard.grad[:real].pow(2).sum()
-    dist.all_reduce(total, group=group)
-    norm = total.sqrt()
-    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for shard in shards:
-        shard.grad.mul_(coefficient)
-    return norm
 
 
 def ref_clip_float64(shards, numels, max_norm, group):
@@ -193,61 +93,16 @@ def ref_clip_float64(shards, numels, max_norm, group):
     return norm
 
 
-class RefUnitBackwardPreHook(RefUnit):
+class UnitBackwardPreHook(Unit):
     """Another valid wiring: gather for backward from a module backward pre-hook, not an output hook."""
 
     def hook_forward(self):
-        self.module.register_forward_pre_hook(self.pre_forward)
+        self.module.register_forward_pre_hook(lambda module, args: self.gather())
         self.module.register_forward_hook(lambda module, args, output: self.free())
         self.module.register_full_backward_pre_hook(lambda module, grad_output: self.gather())
 
 
-def ref_start_gather(unit):
-    unit.full.untyped_storage().resize_(unit.full.numel() * 4)
-    return dist.all_gather_into_tensor(unit.full, unit.shard.detach(), group=unit.group, async_op=True)
-
-
-class RefPrefetch:
-    """ZeRO-3 with prefetch: the next unit's all-gather launched (async) when a unit is about to compute, its
-    handle waited just before that unit computes; backward in the reverse order of the forwards' ends."""
-
-    def __init__(self, units):
-        self.units, self.handles, self.ended = units, {}, []
-        for i, unit in enumerate(units):
-            unit.module.register_forward_pre_hook(lambda module, args, i=i: self.before_forward(i))
-            unit.module.register_forward_hook(lambda module, args, output, i=i: self.after_forward(i, output))
-
-    def launch(self, unit):
-        if unit not in self.handles and not unit.full.untyped_storage().nbytes():
-            self.handles[unit] = ref_start_gather(unit)
-
-    def ready(self, unit):
-        self.launch(unit)
-        handle = self.handles.pop(unit, None)
-        if handle is not None:
-            handle.wait()
-
-    def before_forward(self, i):
-        if i == 0:
-            self.ended = []
-        self.ready(self.units[i])
-        if i + 1 < len(self.units):
-            self.launch(self.units[i + 1])
-
-    def after_forward(self, i, output):
-        self.ended.append(i)
-        self.units[i].free()
-        if output.requires_grad:
-            output.register_hook(lambda grad: self.before_backward(i))
-
-    def before_backward(self, i):
-        order = self.ended[::-1]
-        self.ready(self.units[i])
-        if order.index(i) + 1 < len(order):
-            self.launch(self.units[order[order.index(i) + 1]])
-
-
-class RefPrefetchModuleHooks:
+class PrefetchModuleHooks:
     """Right too: picotron.comm's all-gather, the backward order fixed up front (the outer unit, then the others
     reversed), backward gathers from module backward pre-hooks, the first unit of a pass gathered synchronously."""
 
@@ -272,12 +127,12 @@ class RefPrefetchModuleHooks:
             self.handles[nxt] = all_gather(nxt.full, nxt.shard.detach(), nxt.group, async_op=True)
 
 
-check_prefetch = functools.partial(check_zero3_prefetch, RefUnit)   # the learner's unit here: the reference one
-CORRECT = [(check_shard_range, ref_shard_range), (check_shard_range, ref_shard_range_list), (check_zero1, RefZero1),
-           (check_zero1, RefZero1FreesGrad), (check_zero3_forward, RefUnit), (check_zero3_training, RefUnit),
-           (check_zero3_training, RefUnitWithComm), (check_zero3_training, RefUnitBackwardPreHook),
-           (check_clip_grad_norm, ref_clip), (check_clip_grad_norm, ref_clip_float64),
-           (check_prefetch, RefPrefetch), (check_prefetch, RefPrefetchModuleHooks)]
+check_prefetch = functools.partial(check_zero3_prefetch, Unit)   # the learner's unit here: the checks' own
+CORRECT = [(check_shard_range, ref_shard_range), (check_shard_range, ref_shard_range_list), (check_zero1, Zero1),
+           (check_zero1, Zero1FreesGrad), (check_zero3_forward, Unit), (check_zero3_training, Unit),
+           (check_zero3_training, UnitWithComm), (check_zero3_training, UnitBackwardPreHook),
+           (check_clip_grad_norm, clip), (check_clip_grad_norm, ref_clip_float64),
+           (check_prefetch, Prefetch), (check_prefetch, PrefetchModuleHooks)]
 
 
 # The cases each check's table runs (picotron_course.checks.Report): its promise, asserted by every_case.
@@ -298,8 +153,8 @@ def test_correct_answer_passes(check, answer, every_case, capsys):
 
 # ---- answers refused --------------------------------------------------------------------------
 # The planted wrong answers are the checks' misconceptions (checks_zero.py), tested in test_misconceptions.py.
-CourseAnswer = type("Zero1", (RefZero1,), {"__module__": "picotron.parallel.zero"})  # named, never imported
-CoursePrefetch = type("Zero3", (RefPrefetch,), {"__module__": "picotron.parallel.zero3"})
+CourseAnswer = type("Zero1", (Zero1,), {"__module__": "picotron.parallel.zero"})  # named, never imported
+CoursePrefetch = type("Zero3", (Prefetch,), {"__module__": "picotron.parallel.zero3"})
 
 
 class MisconceptionsBase(checks_zero._Unit):   # the correct base the misconceptions change
@@ -309,7 +164,7 @@ class MisconceptionsBase(checks_zero._Unit):   # the correct base the misconcept
 REFUSED = [(check_zero1, CourseAnswer), (check_zero1, checks_zero._Zero1), (check_zero3_forward, MisconceptionsBase),
            (check_zero3_training, checks_zero._Unit), (check_prefetch, CoursePrefetch),
            (check_prefetch, checks_zero._Prefetch),
-           (functools.partial(check_zero3_prefetch, checks_zero._Unit), RefPrefetch)]
+           (functools.partial(check_zero3_prefetch, checks_zero._Unit), Prefetch)]
 
 
 @pytest.mark.parametrize("check, answer", REFUSED, ids=["zero1", "zero1_base", "forward_base", "training_base",
@@ -321,7 +176,7 @@ def test_the_course_answer_is_refused(check, answer, capsys):
 
 
 def clip_doubles_the_norm(shards, numels, max_norm, group):
-    return 2 * ref_clip(shards, numels, max_norm, group)
+    return 2 * clip(shards, numels, max_norm, group)
 
 
 def test_a_mistake_no_misconception_describes_gets_the_difference_without_a_hint(capsys):
