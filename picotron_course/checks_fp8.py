@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 from picotron_course.checks import close_enough, mismatch
-from picotron_course.engine import Check, Close, Exact, Misconception, Quantity
+from picotron_course.engine import AtMost, Check, Close, Exact, Misconception, Quantity
 
 __all__ = ["check_tensorwise", "check_rowwise", "check_float8_matmul", "check_float8_linear", "check_delayed_scaler",
            "ref_quantize_tensorwise", "ref_quantize_rowwise", "ref_dequantize", "E4M3", "E5M2",
@@ -102,17 +102,6 @@ def _data(shape: tuple, seed: int, spread: bool = True) -> torch.Tensor:
 
 
 # ---- how these checks observe and compare -----------------------------------------------------------------
-@dataclass(frozen=True)
-class AtMost(Quantity):
-    """A number no larger than the expected one, a bound: an error over its bound, a relative error."""
-
-    def equal(self, got, want) -> bool:
-        return isinstance(got, (int, float)) and got <= want
-
-    def shown(self, got, want) -> str:
-        return f"{got:.3g}, above {want:g}" if isinstance(got, (int, float)) else super().shown(got, want)
-
-
 @dataclass(frozen=True)
 class Summed(Close):
     """Close up to the float32 round-off of a sum of `want.terms` terms (K of the matmul, which varies by case)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
@@ -30,7 +29,7 @@ from picotron.config import ModelConfig
 from picotron.model import Llama, loss_fn
 from picotron.parallel.pipeline_schedules import Action, Schedule, peak_in_flight, simulate
 from picotron_course.checks import on_ranks, one_thread, watch_calls
-from picotron_course.engine import Check, Exact, InTraining, Misconception, Within, by_rank, named
+from picotron_course.engine import Check, Count, Exact, InTraining, Misconception, Within, by_rank, named
 
 __all__ = ["check_afab_actions", "check_one_f_one_b_actions", "check_one_f_one_b_training", "check_zb_h1_actions",
            "show_timeline", "STRUCTURE_CASES", "TRAIN_CASES", "WORLD"]
@@ -50,21 +49,6 @@ TRAIN_STEPS, LR, BATCH, SEQ = 3, 1e-2, 8, 8       # BATCH: the global batch, ove
 CHECK_MODEL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=4, num_attention_heads=4,
                           num_key_value_heads=2, max_seq_len=SEQ)
 RANK, ITEMS = ("rank {}",), "Action(op, microbatch, stage) items"
-
-
-@dataclass(frozen=True)
-class Count(Exact):
-    """A count equal to the expected one, or at most it (`at_most`); `more`, `fewer`: what a count above, below says."""
-    more: str = ""
-    fewer: str = ""
-    at_most: bool = False
-
-    def equal(self, got, want) -> bool:
-        return got == want or (self.at_most and isinstance(got, int) and got <= want)
-
-    def shown(self, got, want) -> str:
-        why = "" if not (isinstance(got, int) and isinstance(want, int)) else self.more if got > want else self.fewer
-        return f"expected {'at most ' * self.at_most}{want}, got {got}" + (f": {why}" if why else "")
 
 
 # ---- the learner's lists, as the checks see them ---------------------------------------------------

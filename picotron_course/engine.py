@@ -43,7 +43,7 @@ from picotron_course import settings
 from picotron_course.checks import not_the_course_answer
 from picotron_course.checks import on_ranks as launch
 
-__all__ = ["Quantity", "Exact", "Said", "Close", "per_case", "InTraining", "Within", "Misconception", "Check", "CHECKS",
+__all__ = ["Quantity", "Exact", "Count", "AtMost", "Said", "Close", "per_case", "InTraining", "Within", "Misconception", "Check", "CHECKS",
            "named", "observe_on_ranks", "world_and_halves", "by_rank"]
 
 CHECKS: list["Check"] = []   # every check declared, in the order its module was imported
@@ -144,6 +144,34 @@ def per_case(want: torch.Tensor, n: int | None = None, scale: float | None = Non
     if scale is not None:
         want.scale = scale
     return want
+
+
+@dataclass(frozen=True)
+class Count(Exact):
+    """A count equal to the expected one, or at most it (`at_most`); `more`, `fewer`: what a count above, below says."""
+    more: str = ""
+    fewer: str = ""
+    at_most: bool = False
+
+    def equal(self, got, want) -> bool:
+        return got == want or (self.at_most and isinstance(got, int) and got <= want)
+
+    def shown(self, got, want) -> str:
+        why = "" if not (isinstance(got, int) and isinstance(want, int)) else self.more if got > want else self.fewer
+        return f"expected {'at most ' * self.at_most}{want}, got {got}" + (f": {why}" if why else "")
+
+
+@dataclass(frozen=True)
+class AtMost(Quantity):
+    """A number no larger than the expected one, a bound (an error, a budget); `rule` shows a number over it, with
+    {got} and {want}."""
+    rule: str = "{got:.3g}, above {want:g}"
+
+    def equal(self, got, want) -> bool:
+        return isinstance(got, (int, float)) and got <= want
+
+    def shown(self, got, want) -> str:
+        return self.rule.format(got=got, want=want) if isinstance(got, (int, float)) else super().shown(got, want)
 
 
 @dataclass(frozen=True)
