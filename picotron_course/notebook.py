@@ -4,6 +4,9 @@ One copy here instead of one per chapter; a chapter imports what it needs:
 
     from picotron_course.notebook import caption, max_diff, show_lines, show_source, slowest_median, sync
 
+take_turns is the timing loop of every chapter that times steps (modes in turns behind a barrier, the first
+round dropped); step_time_figure draws measured step times against the number of ranks (chapters 04, 05).
+
 show_source and show_lines print picotron's own code, as it is now, so a chapter reads what runs
 rather than a copy that can drift from it.
 """
@@ -14,8 +17,10 @@ import inspect
 import os
 import statistics
 import textwrap
+import time
 
 import torch
+import torch.distributed as dist
 
 
 def caption(fig, text: str) -> None:
@@ -46,6 +51,65 @@ def slowest_median(per_rank: list[list[float]]) -> float:
     """
     reps = len(per_rank[0])
     return statistics.median(max(rank[i] for rank in per_rank) for i in range(reps))
+
+
+def take_turns(step, names, reps: int, warmup: int = 1) -> dict:
+    """{name: [(seconds, what step(name) returned)] per repetition}: each repetition, every name in turn runs
+    step(name) behind a barrier (when there are ranks), so that changes of the machine's load hit them alike;
+    the first `warmup` rounds (AdamW allocating its state, gloo connecting) are not kept."""
+    times = {name: [] for name in names}
+    for rep in range(warmup + reps):
+        for name in names:
+            sync()
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            result = step(name)
+            sync()
+            if rep >= warmup:
+                times[name].append((time.perf_counter() - start, result))
+    return times
+
+
+def no_frame(ax) -> None:
+    """A drawing, not a plot: no box around the axes."""
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+
+
+def shade_crowded(ax, ranks) -> None:
+    """Grey behind the rank counts above this machine's CPU cores: their CPU processes share cores."""
+    cores = os.cpu_count() or 1
+    crowded = [n for n in ranks if n > cores]
+    if crowded:
+        ax.axvspan(min(crowded) * 0.9, max(crowded) * 1.1, color="0.93", zorder=-1)
+        ax.text(max(crowded) * 1.08, 0.03, f"more ranks than\nthe {cores} CPU cores", fontsize=7, ha="right",
+                va="bottom", transform=ax.get_xaxis_transform())
+
+
+def step_time_figure(step_ms: dict, sizes, modes, size: str, title: str, text: str, reps: int, on_cpu: bool,
+                     alone: str | None = None) -> None:
+    """Measured time per step against the number of ranks n (`size`, e.g. "tensor-parallel size t"): one process
+    / n, a perfect split; step_ms[n, alone], one rank's compute with no communication (if given); step_ms[n, mode]
+    for each mode (slowest rank, median of `reps`); step_ms[1, "one process"] starts every line."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    everyone, one, n = [1, *sizes], step_ms[1, "one process"], size.split()[-1]
+    ax.plot(everyone, [one / s for s in everyone], ":", color="0.5", label=f"one process / {n} (perfect split)")
+    if alone:
+        ax.plot(everyone, [one] + [step_ms[s, alone] for s in sizes], "^-", color="C2",
+                label="rank's compute alone (no communication)")
+    for i, mode in enumerate(modes):
+        ax.plot(everyone, [one] + [step_ms[s, mode] for s in sizes], "os^"[i] + "-", color=f"C{i}",
+                label=f"{mode}, measured (slowest rank, median of {reps})")
+    if on_cpu:
+        shade_crowded(ax, sizes)
+    ax.set(xscale="log", xlabel=f"{size} (ranks)", ylabel="time per step (ms)", ylim=(0, None), title=title)
+    ax.set_xticks(everyone, everyone)
+    ax.minorticks_off()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    caption(fig, text)
+    plt.show()
 
 
 def _source(function) -> tuple[list[str], int, str, str]:

@@ -23,8 +23,6 @@ them by reference.
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -36,6 +34,7 @@ from matplotlib.patches import FancyArrowPatch, Polygon, Rectangle
 from picotron import comm, lockstep, tolerance
 from picotron.data import DataLoader, cp_positions
 from picotron.memory import GiB
+from picotron.memory_tracking import SavedActivations
 from picotron.mesh import Mesh
 from picotron.model import Llama, loss_fn
 from picotron.parallel.context_parallel import (CP_MODES, AttentionWork, apply_context_parallel, ring_attention,
@@ -43,7 +42,8 @@ from picotron.parallel.context_parallel import (CP_MODES, AttentionWork, apply_c
 from picotron.parallel.context_parallel_costs import (cp_activation_bytes_per_layer, cp_comm_bytes_per_layer,
                                                       ring_attention_work)
 from picotron.parallel.data_parallel import all_reduce_gradients
-from picotron_course.notebook import caption
+from picotron_course import notebook
+from picotron_course.notebook import caption, take_turns
 
 RANK_COLOURS = [plt.cm.tab10(i) for i in range(4)]
 
@@ -307,24 +307,6 @@ def show_proof(rows: dict) -> None:
 
 
 # ---- section 4: what one launch per cp size measures ------------------------------------------------------
-def saved_bytes(fn, exclude=()) -> int:
-    """Bytes of the distinct storages autograd saves while fn() runs (0-dim scalars left out, as in chapter 01)."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    storages = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if t.dim() and storage.data_ptr() not in skip:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = fn()                                  # kept alive until the sum: the saved tensors stay too
-    total = sum(storages.values())
-    del result
-    return total
-
-
 def layer_saved_bytes(config, batch: int, mesh, mode, seq: int) -> int:
     """Bytes one decoder layer keeps for backward on this rank; mesh None: the plain layer, one process."""
     model = new_model(config)
@@ -333,7 +315,9 @@ def layer_saved_bytes(config, batch: int, mesh, mode, seq: int) -> int:
         apply_context_parallel(model, mesh, mode)
     cos, sin = model.rope(cp_positions(seq, rank, c, mode == "zigzag")[None])
     x = torch.randn(batch, seq // c, config.hidden_size, requires_grad=True)
-    return saved_bytes(lambda: model.layers[0](x, cos, sin), exclude=[*model.parameters(), cos, sin])
+    with SavedActivations(exclude=[cos, sin]) as saved:        # saved-tensor hooks, each storage once
+        model.layers[0](x, cos, sin)
+    return saved.peak
 
 
 def _step_comm(config, dataset, batch: int, mesh, mode: str) -> dict:
@@ -364,31 +348,29 @@ def _ring_work(seq: int, heads: int, kv_heads: int, head_dim: int, zigzag: bool)
 
 
 def step_times(config, batch: int, seq: int, modes, reps: int = 3) -> dict:
-    """{mode: [seconds per training step]} on this rank; mode None: one process, the whole sequences."""
+    """{mode: [seconds per training step]} on this rank, the modes taking turns; mode None: one process, the whole
+    sequences."""
     c, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     data = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    times = {}
+    runners = {}
     for mode in modes:
         model, mesh, positions = new_model(config), None, torch.arange(seq)
         if mode is not None:
             mesh = Mesh(cp=c)
             apply_context_parallel(model, mesh, mode)
             positions = cp_positions(seq, rank, c, mode == "zigzag")
+        runners[mode] = (model, mesh, positions, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(mode):
+        model, mesh, positions, optimizer = runners[mode]
         ids, targets = data[:, :-1][:, positions], data[:, 1:][:, positions]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        times[mode] = []
-        for rep in range(reps + 1):                     # the first step allocates the optimizer state: not kept
-            if mesh:
-                dist.barrier()
-            start = time.perf_counter()
-            loss_fn(model(ids, positions.expand(batch, -1)), targets).backward()
-            if mesh:
-                all_reduce_gradients(model, mesh.dp_cp_group)
-            optimizer.step()
-            optimizer.zero_grad()
-            if rep:
-                times[mode].append(time.perf_counter() - start)
-    return times
+        loss_fn(model(ids, positions.expand(batch, -1)), targets).backward()
+        if mesh:
+            all_reduce_gradients(model, mesh.dp_cp_group)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return {mode: [seconds for seconds, _ in runs] for mode, runs in take_turns(step, modes, reps).items()}
 
 
 def measure(config, dataset, batch: int, saved_seqs, work_seq: int, timed=None, timed_batch: int = 0,
@@ -570,29 +552,13 @@ def activation_figure(saved: dict, config, batch: int, seq: int, saved_seqs, cps
 # ---- section 4.4: step time ----------------------------------------------------------------------------------
 def step_time_figure(step_ms: dict, cps, timed_batch: int, timed_seq: int) -> None:
     """Step time against c, measured, next to one process / c."""
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    all_cps = [1, *cps]
-    alone = step_ms[1, "one process"]
-    ax.plot(all_cps, [alone / c for c in all_cps], ":", color="0.5", label="one process / c (perfect split)")
-    for i, mode in enumerate(CP_MODES):
-        ax.plot(all_cps, [alone] + [step_ms[c, mode] for c in cps], "os^"[i] + "-", color=f"C{i}",
-                label=f"{mode}, measured (slowest rank, median of 3)")
-    cores = os.cpu_count() or 1
-    crowded = [c for c in cps if c > cores]                 # more ranks than this machine has cores
-    if crowded:
-        ax.axvspan(min(crowded) * 0.9, max(crowded) * 1.1, color="0.93", zorder=-1)
-        ax.text(min(crowded) * 0.92, 0.97, f"more ranks than\nthe {cores} CPU cores", fontsize=7, va="top",
-                transform=ax.get_xaxis_transform())
-    ax.set(xscale="log", xlabel="context-parallel size c (ranks)", ylabel="time per step (ms)", ylim=(0, None),
-           title=f"Training step of TIMED, {timed_batch} x {timed_seq} tokens (gloo, CPU processes)")
-    ax.set_xticks(all_cps, all_cps)
-    ax.minorticks_off()
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    caption(fig, f"On CPU ranks: at c = 2 the contiguous ring takes {step_ms[2, 'ring']:.0f} ms, zig-zag "
-            f"{step_ms[2, 'zigzag']:.0f} ms and Ulysses {step_ms[2, 'ulysses']:.0f} ms, against "
-            f"{alone:.0f} ms in one process. The ring's unfused blocks and gloo's latency dominate "
-            "here; none of these times says much about GPUs.")
-    plt.show()
+    notebook.step_time_figure(
+        step_ms, cps, CP_MODES, "context-parallel size c", on_cpu=True, reps=3,
+        title=f"Training step of TIMED, {timed_batch} x {timed_seq} tokens (gloo, CPU processes)",
+        text=f"On CPU ranks: at c = 2 the contiguous ring takes {step_ms[2, 'ring']:.0f} ms, zig-zag "
+             f"{step_ms[2, 'zigzag']:.0f} ms and Ulysses {step_ms[2, 'ulysses']:.0f} ms, against "
+             f"{step_ms[1, 'one process']:.0f} ms in one process. The ring's unfused blocks and gloo's latency "
+             "dominate here; none of these times says much about GPUs.")
 
 
 # ---- section 5: when the transfers hide --------------------------------------------------------------------

@@ -18,7 +18,7 @@ A variant is `make(model) -> gradient sync`: None (no communication), torch's Di
 or an object with finish_gradient_sync() and, optionally, no_sync() (the chapter's classes, picotron's).
 The functions that run on ranks take the chapter's own `new_model` and `loader` as arguments (they
 travel to the ranks by value). matplotlib is imported inside the figure functions, so the ranks never
-load it. Generic helpers (caption, sync, slowest_median) come from picotron_course.notebook.
+load it. Generic helpers (caption, take_turns, slowest_median) come from picotron_course.notebook.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from picotron import comm, tolerance
 from picotron.launch import device
 from picotron.lockstep import Recorder, Trace
 from picotron.model import loss_fn
-from picotron_course.notebook import caption, sync
+from picotron_course.notebook import caption, take_turns
 
 __all__ = ["parts", "first_step", "prove", "step_times", "times_of", "bytes_per_step",
            "idea_figure", "step_time_figure", "trace_figure", "sweep_figure", "exposed_figure", "limits_figure"]
@@ -174,7 +174,7 @@ def step_times(variants: dict, new_model, loader, reps: int = 5, steps: int = 2)
     """{name: [(seconds per step, seconds per step waiting in the finish) per repetition]} on this rank.
 
     Every variant gets its own model and AdamW; they are timed round-robin, so that the machine's
-    changing load hits them alike: a repetition is `steps` steps behind a barrier, after 2 warm-up steps.
+    changing load hits them alike: a repetition is `steps` steps behind a barrier, after a warm-up round.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = loader(rank, world).get_batch(0).to(device())
@@ -194,17 +194,11 @@ def step_times(variants: dict, new_model, loader, reps: int = 5, steps: int = 2)
         optimizer.zero_grad(set_to_none=False)
         return waited
 
-    for name in runners:                                              # warm-up: 2 steps each
-        step(name)
-        step(name)
-    times = {name: [] for name in runners}
-    for _ in range(reps):
-        for name in runners:
-            sync(); dist.barrier()
-            start, waited = time.perf_counter(), sum(step(name) for _ in range(steps))
-            sync()
-            times[name].append(((time.perf_counter() - start) / steps, waited / steps))
-    return times
+    def repetition(name) -> float:                                    # `steps` steps: seconds waiting per step
+        return sum(step(name) for _ in range(steps)) / steps
+
+    return {name: [(seconds / steps, waited) for seconds, waited in runs]      # warm-up: one round of `steps`
+            for name, runs in take_turns(repetition, runners, reps).items()}
 
 
 def times_of(per_rank: list, name, which: int = 0) -> list[list[float]]:

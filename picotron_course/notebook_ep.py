@@ -45,7 +45,7 @@ from picotron.parallel.expert_parallel import (ExpertParallelGroups, ExpertParal
 from picotron.parallel.expert_parallel_costs import ep_comm_bytes
 from picotron.parallel.tensor_parallel import (apply_tensor_parallel, gather_gradients,
                                                vocab_parallel_cross_entropy)
-from picotron_course.notebook import caption, max_diff, sync
+from picotron_course.notebook import caption, max_diff, no_frame, sync, take_turns
 
 __all__ = ["moe_roundings", "ep_moe_vs_plain", "tp_and_ep", "ProofSetup", "train_proof", "prove", "summed",
            "train_for_load", "dropped_fractions", "time_steps", "expert_params", "draw_dispatch_example",
@@ -345,40 +345,36 @@ def time_steps(config: ModelConfig, data, ep_sizes: tuple, batch: int, reps: int
         apply_expert_parallel(model, groups)
         runners[ep] = (model, groups, torch.optim.AdamW(model.parameters(), lr=1e-3))
     loader = DataLoader(data, batch, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
-    out = {ep: {"times": []} for ep in ep_sizes}
-    for rep in range(reps + 1):                            # round 0 allocates Adam's state: not kept
-        step_batch = loader.get_batch(rep).to(device())
-        for ep in ep_sizes:                                # in turns: changes of load hit every ep alike
-            model, groups, optimizer = runners[ep]
+    out, rounds = {ep: {} for ep in ep_sizes}, dict.fromkeys(ep_sizes, 0)
+
+    def step(ep) -> tuple:
+        model, groups, optimizer = runners[ep]
+        step_batch = loader.get_batch(rounds[ep]).to(device())       # round r: the same batch for every ep
+        rounds[ep] += 1
+        with comm.counting() as counter:                   # this step's collectives
+            t0 = time.perf_counter()
+            (loss_fn(model(step_batch.input_ids), step_batch.targets) + model.aux_loss()).backward()
             sync()
-            dist.barrier()
-            with comm.counting() as counter:               # this step's collectives
-                t0 = time.perf_counter()
-                (loss_fn(model(step_batch.input_ids), step_batch.targets) + model.aux_loss()).backward()
-                sync()
-                t1 = time.perf_counter()
-                average_gradients(model, groups)
-                sync()
-                t2 = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad()
+            t1 = time.perf_counter()
+            average_gradients(model, groups)
             sync()
-            if rep:
-                out[ep]["times"].append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-            a = next(model.parameters()).element_size()
-            out[ep]["leaving"] = sum(2 * (sum(s) - s[groups.ep_rank] + sum(v) - v[groups.ep_rank]) * config.hidden_size
-                                     * a for s, v in (moe.last_splits for moe in model.moe_layers()))
-            out[ep]["rows"] = sum(sum(moe.last_splits[1]) for moe in model.moe_layers())   # rows my experts computed
-            out[ep]["counted"] = counter.snapshot()
+            t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync()
+        a = next(model.parameters()).element_size()
+        out[ep]["leaving"] = sum(2 * (sum(s) - s[groups.ep_rank] + sum(v) - v[groups.ep_rank]) * config.hidden_size
+                                 * a for s, v in (moe.last_splits for moe in model.moe_layers()))
+        out[ep]["rows"] = sum(sum(moe.last_splits[1]) for moe in model.moe_layers())   # rows my experts computed
+        out[ep]["counted"] = counter.snapshot()
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+    for ep, runs in take_turns(step, ep_sizes, reps).items():      # in turns; round 0 allocates Adam's state
+        out[ep]["times"] = [phases for _, phases in runs]
     return out
 
 
 # ---- figures ------------------------------------------------------------------------------------------
-def _no_frame(ax) -> None:
-    for side in ("top", "right", "left", "bottom"):
-        ax.spines[side].set_visible(False)
-
-
 def draw_dispatch_example() -> dict:
     """Draw one EP layer's dispatch and combine for a real routing: ep = 2 ranks, 4 experts (2 per rank), top-2,
     3 tokens per rank. Returns {rank: rows it received}."""
@@ -446,7 +442,7 @@ def draw_dispatch_example() -> dict:
     ax.set(xlim=(-0.7, 10.8), ylim=(at(1, 0) - band + 0.6, 1.9), xticks=[], yticks=[],
            xlabel="one MoE layer, forward from left to right",
            title="Expert parallelism, ep = 2: dispatch and combine (a real routing of 6 tokens over 4 experts)")
-    _no_frame(ax)
+    no_frame(ax)
     caption(fig, f"Colour = expert. Solid: the dispatch all-to-all, dashed: the return all-to-all; the last lines' "
             f"width is the gate. The splits are uneven: rank 0 computes {len(received[0])} rows, rank 1 "
             f"{len(received[1])}, because the router sent more slots to experts 0 and 1.")
@@ -479,7 +475,7 @@ def draw_ep_groups() -> None:
                 ha="center", va="top", fontsize=7.5, color="C0")
     ax.set(xlim=(-0.3, 10.3), ylim=(-1.5, 2.9), xticks=[], yticks=[], xlabel="4 data-parallel ranks, E = 8 experts",
            title="dp = 4, ep = 2: EP groups (red) and expert-data-parallel groups (blue)")
-    _no_frame(ax)
+    no_frame(ax)
     caption(fig, "Each EP group splits the 8 experts over its 2 ranks; the non-expert weights are averaged over all 4 "
             "ranks, the expert weights only over the 2 ranks holding them (numbers: expert ids).")
     plt.show()

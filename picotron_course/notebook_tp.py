@@ -25,7 +25,7 @@ times or draws lives here:
 
 The rank functions are module-level, so `run` sends them by reference; they take the chapter's
 `Setup` (or sizes) as arguments. The chapter's own classes (`ColumnLinear`, `RowLinear`) travel as
-arguments too. Generic helpers (caption, sync, max_diff) come from picotron_course.notebook.
+arguments too. Generic helpers (caption, max_diff, take_turns, the step-time figure) come from picotron_course.notebook.
 matplotlib is imported inside the drawing functions only: the ranks, which import this module,
 then start without it.
 """
@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import time
 
 import numpy as np
 import torch
@@ -56,7 +54,8 @@ from picotron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallel
                                                parallelize_layer, scatter_to_sp_region,
                                                vocab_parallel_cross_entropy)
 from picotron.parallel.tensor_parallel_costs import tp_activation_bytes_per_layer, tp_comm_bytes_per_layer
-from picotron_course.notebook import caption, max_diff, sync
+from picotron_course import notebook
+from picotron_course.notebook import caption, max_diff, no_frame, take_turns
 
 MODES = (("TP", False), ("TP+SP", True))
 
@@ -117,11 +116,6 @@ def layers_activations(config: ModelConfig, tp: int, sequence_parallel: bool, ba
                                                              dtype_bytes=dtype_bytes)
 
 
-def _no_frame(ax) -> None:
-    for side in ("top", "right", "left", "bottom"):
-        ax.spines[side].set_visible(False)
-
-
 # ---- 1. the idea: two figures ----------------------------------------------------------------------
 def _matrix(ax, x, y, w, h, parts=1, along="cols", label="", offset=0.0) -> None:
     """A matrix drawn as a w x h box at (x, y), cut into `parts` slabs along its columns or rows, one colour
@@ -166,7 +160,7 @@ def split_figure() -> None:
     _matrix(right, 5.2, 0, 1.0, 2, label="Y (tokens x h_out)\nafter an all-reduce")
     for ax in (left, right):
         ax.set(xlim=(-0.2, 6.4), ylim=(-0.9, 2.3), xticks=[], yticks=[], xlabel="block layout (colour = rank, t = 4)")
-        _no_frame(ax)
+        no_frame(ax)
     caption(fig, "Left: each rank multiplies the whole input by its columns of A and gets a slab of the output. "
             "Right: each rank multiplies its slab of the input by its rows of A and gets a partial sum; the output "
             "is their sum.")
@@ -213,7 +207,7 @@ def regions_figure() -> None:
             fontsize=7.5)
     ax.set(xlim=(-1.0, 13.1), ylim=(-1.4, 2.4), xticks=[], yticks=[],
            xlabel="one decoder layer, forward from left to right", title="Where a tensor-parallel layer communicates")
-    _no_frame(ax)
+    no_frame(ax)
     caption(fig, "Top: plain TP enters each block with f and leaves it with g (one all-reduce each way per block). "
             "Bottom: SP splits g's all-reduce into its two halves, a reduce-scatter at the exit and an all-gather at "
             "the next entry.")
@@ -617,17 +611,7 @@ def step_times(config: ModelConfig, batch: int, seq: int, modes, reps: int = 5) 
         optimizer.step()
         optimizer.zero_grad()
 
-    times = {mode: [] for mode in modes}
-    for rep in range(reps + 1):
-        for mode in modes:
-            sync()
-            dist.barrier()
-            start = time.perf_counter()
-            step(mode)
-            sync()
-            if rep:
-                times[mode].append(time.perf_counter() - start)
-    return times
+    return {mode: [seconds for seconds, _ in runs] for mode, runs in take_turns(step, modes, reps).items()}
 
 
 def time_alone(config: ModelConfig, batch: int, seq: int, tps) -> dict:
@@ -637,29 +621,15 @@ def time_alone(config: ModelConfig, batch: int, seq: int, tps) -> dict:
 
 def step_time_figure(step_ms: dict, tps, world: int) -> None:
     """Step time against t: one process / t, one rank's compute alone, and the measured TP and TP+SP steps."""
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    ts = [1, *tps]
-    one = step_ms[1, "one process"]
-    ax.plot(ts, [one / t for t in ts], ":", color="0.5", label="one process / t (perfect split)")
-    ax.plot(ts, [one] + [step_ms[t, "compute alone"] for t in tps], "^-", color="C2",
-            label="rank's compute alone (no communication)")
-    for i, (name, _) in enumerate(MODES):
-        ax.plot(ts, [one] + [step_ms[t, name] for t in tps], "os"[i] + "-", color=f"C{i}",
-                label=f"{name}, measured (slowest rank, median of 5)")
     on_cpu = backend_for(world) == "gloo"
-    if on_cpu and os.cpu_count() < world:
-        ax.axvspan(2.8, 4.4, color="0.93", zorder=-1)
-        ax.text(2.9, 5, f"more ranks than\nthe {os.cpu_count()} CPU cores", fontsize=7, va="bottom")
-    ax.set(xscale="log", xlabel="tensor-parallel size t (ranks)", ylabel="time per step (ms)", ylim=(0, None),
-           title=f"Training step of TIMED ({'gloo, CPU processes' if on_cpu else 'NCCL, one GPU per rank'})")
-    ax.set_xticks(ts, ts)
-    ax.minorticks_off()
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    caption(fig, f"A rank's compute shrinks with t (green: {step_ms[2, 'compute alone']:.0f} ms at t = 2 against "
-            f"{one:.0f} ms in one process), but the measured steps ({step_ms[2, 'TP']:.0f} ms TP, "
-            f"{step_ms[2, 'TP+SP']:.0f} ms TP+SP at t = 2) sit well above it: every layer waits for its collectives.")
-    plt.show()
+    notebook.step_time_figure(
+        step_ms, tps, [name for name, _ in MODES], "tensor-parallel size t", on_cpu=on_cpu, reps=5,
+        alone="compute alone",
+        title=f"Training step of TIMED ({'gloo, CPU processes' if on_cpu else 'NCCL, one GPU per rank'})",
+        text=f"A rank's compute shrinks with t (green: {step_ms[2, 'compute alone']:.0f} ms at t = 2 against "
+             f"{step_ms[1, 'one process']:.0f} ms in one process), but the measured steps ({step_ms[2, 'TP']:.0f} ms "
+             f"TP, {step_ms[2, 'TP+SP']:.0f} ms TP+SP at t = 2) sit well above it: every layer waits for its "
+             "collectives.")
 
 
 # ---- 5. where it breaks ----------------------------------------------------------------------------

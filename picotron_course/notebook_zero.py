@@ -55,7 +55,7 @@ from picotron.parallel.data_parallel import DataParallel
 from picotron.parallel.hsdp import hsdp_groups
 from picotron.parallel.zero import ZeroOptimizer, ring_bytes
 from picotron.parallel.zero3 import Zero3
-from picotron_course.notebook import caption, slowest_median, sync
+from picotron_course.notebook import caption, slowest_median, take_turns
 
 MiB = 2**20
 STAGE_NAMES = ("stage 0 (DP)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -519,7 +519,7 @@ def state_per_gpu_figure(config, train, gpu_bytes: float) -> dict:
 
 def time_prefetch(new_model, loader, adamw, reps: int = 5, steps: int = 2) -> tuple[dict, bool]:
     """On a rank: ZeRO-3 with prefetch on and off, `reps` repetitions of `steps` steps each behind a barrier,
-    round-robin, after 2 warm-up steps. Returns ({prefetch: [(seconds per step, seconds per step waiting in
+    round-robin, after a warm-up round. Returns ({prefetch: [(seconds per step, seconds per step waiting in
     _gather)] per repetition}, whether both ended with identical weights)."""
     world = dist.get_world_size()
     mesh = Mesh(dp=world)
@@ -537,25 +537,17 @@ def time_prefetch(new_model, loader, adamw, reps: int = 5, steps: int = 2) -> tu
         zero._gather = timed_gather
         setups[prefetch] = (model, zero, waited)
 
-    def step(model, zero):
-        zero.zero_grad()
-        loss_fn(model(batch.input_ids), batch.targets).backward()
-        zero.step()
+    def repetition(prefetch) -> float:                       # `steps` steps: seconds waiting per step
+        model, zero, waited = setups[prefetch]
+        waited[0] = 0.0
+        for _ in range(steps):
+            zero.zero_grad()
+            loss_fn(model(batch.input_ids), batch.targets).backward()
+            zero.step()
+        return waited[0] / steps
 
-    for model, zero, _ in setups.values():                   # warm-up: AdamW's state, gloo's connections
-        step(model, zero)
-        step(model, zero)
-    times = {prefetch: [] for prefetch in setups}
-    for _ in range(reps):
-        for prefetch, (model, zero, waited) in setups.items():
-            waited[0] = 0.0
-            sync()
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step(model, zero)
-            sync()
-            times[prefetch].append(((time.perf_counter() - start) / steps, waited[0] / steps))
+    times = {prefetch: [(seconds / steps, waited) for seconds, waited in runs]   # warm-up: a round of `steps`
+             for prefetch, runs in take_turns(repetition, setups, reps).items()}
     on, off = (setups[p][1].gather_parameters() for p in (True, False))
     return times, all(torch.equal(on[n], off[n]) for n in on)
 
