@@ -171,10 +171,14 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and each query's log-sum-exp. A query that sees no key gets output 0 and lse -inf."""
     groups = q.shape[1] // k.shape[1]                      # GQA: query head i reads K/V head i // groups
     k, v = (t.double().repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = (q.double() @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~allowed, -INF)
+    return _partial(q.double() @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), v, allowed)
+
+
+def _partial(scores: torch.Tensor, values: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of softmax attention over the keys `seen`, in float64; out 0 and lse -inf where none is."""
+    scores = scores.masked_fill(~seen, -INF)
     lse = torch.logsumexp(scores, dim=-1)                  # (batch, heads, sq)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    return probs @ v, lse
+    return torch.exp(scores - lse[..., None]).nan_to_num(0.0) @ values, lse
 
 
 def _causal(seq: int, heads: int, kv_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,13 +352,6 @@ MERGE_CASES = [
     ("some rows see none of it", 0.0, 0.0, "all", "some rows"),
     ("nothing seen on either side", 0.0, 0.0, "none", "none"),
 ]
-
-
-def _partial(scores: torch.Tensor, values: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of softmax attention over the keys `seen`, in float64; out 0 and lse -inf where none is."""
-    scores = scores.masked_fill(~seen, -INF)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse[..., None]).nan_to_num(0.0) @ values, lse
 
 
 def _merge_case(seed: int, name: str, offset: float, extra: float, first: str, second: str) -> dict:
@@ -598,9 +595,8 @@ def _recorded_peers() -> Iterator[tuple[list, list]]:
 
 
 def _ring_place(rank: int, cp: int) -> tuple[int, list[int]]:
-    """This rank's place in its ring, and the ring's members (global ranks)."""
-    members = list(range(WORLD)) if cp == WORLD else [rank - rank % cp + i for i in range(cp)]
-    return members.index(rank), members
+    """This rank's place in its ring, and the ring's members (global ranks): 0-3, or its pair, 0-1 or 2-3."""
+    return rank % cp, list(range(rank - rank % cp, rank - rank % cp + cp))
 
 
 def _rings() -> dict[int, tuple]:

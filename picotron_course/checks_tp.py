@@ -37,7 +37,7 @@ TP_SIZES = (4, 2)          # one group of all 4 ranks; two groups of 2 (ranks 0-
 FP32 = torch.float32
 SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
 COURSE = ("picotron.parallel.tensor_parallel", __name__)   # picotron's answers, and this file's correct bases
-ONLY = {__name__: {"_Copy", "_Reduce", "_Gather", "_Scatter", "_Column", "_Row", "_SPMLP", "_CE"}}
+ONLY = {__name__: {"_Copy", "_Reduce", "_Gather", "_Scatter", "_Column", "_Row", "_SPMLP", "_CE", "ce_"}}
 
 REGION_SHAPES = [(2, 3, 5), (4, 6)]                     # x of f and g
 SP_SHAPES = [(2, 8, 3), (1, 4, 5)]                      # (batch, seq, hidden): the sequence splits over 4 and 2
@@ -843,7 +843,7 @@ def mlp_with_g(g: type) -> dict:
     the numbers printed."""
     results = on_ranks(_mlp_with_g_on_rank, WORLD, g)
     x, target, w_up, w_down = _demo_data()
-    ref = _demo_one_process(x, target, w_up, w_down)
+    ref = _demo_run(x, target, [w_up, w_down], lambda y: y)
     table = {"one process": {"loss": ref["loss"], "curves": ref["curves"]}}
     print(f"the MLP with g = {getattr(g, '__name__', g)} on tp ranks, against one process "
           "(each gradient as a multiple of one process's; '?' if no multiple matches it)")
@@ -917,26 +917,20 @@ def _adamw_step(w, grad, m, v, lr: float, step: int) -> None:
     w -= lr * (m_hat / (v_hat.sqrt() + ADAMW_EPS) + ADAMW_DECAY * w)
 
 
-def _demo_one_process(x, target, w_up, w_down) -> dict:
-    x = x.clone().requires_grad_()
-    up, down = w_up.clone().requires_grad_(), w_down.clone().requires_grad_()
-    loss = _demo_loss(x, target, up, down, lambda y: y)
+def _demo_run(x, target, weights: list[torch.Tensor], leave: Callable) -> dict:
+    """Loss and gradients of the MLP on `weights` (the full ones, or a rank's shards), and its training curves."""
+    x_in, up, down = (t.clone().requires_grad_() for t in (x, *weights))
+    loss = _demo_loss(x_in, target, up, down, leave)
     loss.backward()
-    return {"loss": loss.item(), "x_grad": x.grad, "up_grad": up.grad, "down_grad": down.grad,
-            "curves": _demo_curves(x.detach(), target, [w_up, w_down], lambda y: y)}
+    return {"loss": loss.item(), "x_grad": x_in.grad, "up_grad": up.grad, "down_grad": down.grad,
+            "curves": _demo_curves(x, target, weights, leave)}
 
 
 def _mlp_with_g_on_rank(g: type) -> list:
     rank, out = dist.get_rank(), []
     x, target, w_up, w_down = _demo_data()
     for tp, group in world_and_halves().items():
-        i = rank % tp
-        shards = [_cut(w_up, i, tp, 0), _cut(w_down, i, tp, 1)]   # column's rows, row's columns
-        up, down = (w.clone().requires_grad_() for w in shards)
-        x_in = x.clone().requires_grad_()
-        loss = _demo_loss(x_in, target, up, down, lambda y: g.apply(y, group))
-        loss.backward()
-        dist.all_reduce(x_in.grad, group=group)     # what f does in backward: add the ranks' terms of dL/dx
-        out.append({"loss": loss.item(), "x_grad": x_in.grad, "up_grad": up.grad, "down_grad": down.grad,
-                    "curves": _demo_curves(x, target, shards, lambda y: g.apply(y, group))})
+        i = rank % tp                              # column's rows, row's columns
+        out.append(_demo_run(x, target, [_cut(w_up, i, tp, 0), _cut(w_down, i, tp, 1)], lambda y: g.apply(y, group)))
+        dist.all_reduce(out[-1]["x_grad"], group=group)   # what f does in backward: add the ranks' terms of dL/dx
     return out

@@ -1,7 +1,8 @@
 """The checks of assignment 05 pass correct answers and refuse the course's own.
 
-The correct answers are written here, not taken from the solution notebook (which runs under
-nbval on its own), so a check that passes everything, or nothing, is caught. The wrong answers
+The correct answers are the checks' own correct code, judged with the refusal off, and others
+written here, not taken from the solution notebook (which runs under nbval on its own), so a
+check that passes everything, or nothing, is caught. The wrong answers
 are the checks' misconceptions, each failing with its hint (tests/test_misconceptions.py).
 Nothing here uses picotron.parallel.context_parallel, except to see that the checks refuse it.
 """
@@ -21,11 +22,20 @@ from picotron.launch import run
 from picotron_course import checks_cp
 from picotron_course.checks_cp import (check_attend_block, check_attention_2d, check_layout, check_merge,
                                        check_mesh_2d, check_ring_attention)
+from picotron_course.engine import Check
 
 INF = math.inf
 
 
 # ---- correct answers ------------------------------------------------------------------------------
+# The checks' own correct code (the bases their misconceptions change, refused as a learner's answer), judged with
+# the refusal off (only the parent refuses); then other valid answers, which the checks must accept too.
+BASES = {"layout": (check_layout, checks_cp._chunks, checks_cp._positions), "merge": (check_merge, checks_cp._merge),
+         "attend_block": (check_attend_block, checks_cp._attend), "ring": (check_ring_attention, checks_cp._Ring()),
+         "mesh_2d": (check_mesh_2d, checks_cp._groups_2d, checks_cp._positions_2d),
+         "attention_2d": (check_attention_2d, checks_cp._Attention2D())}
+
+
 def ref_chunks(cp_rank, cp_size, zigzag):
     return sorted({cp_rank, 2 * cp_size - 1 - cp_rank}) if zigzag else [cp_rank]
 
@@ -74,15 +84,11 @@ def ref_attend_block(out, lse, q, k, v, q_chunks, kv_chunks):
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
-def _start(q):
-    return torch.zeros(q.shape), torch.full(q.shape[:-1], -INF)
-
-
 def ref_ring(q, k, v, group, zigzag, attend=ref_attend_block, back=-1):
     """K and V as two messages, dist.isend / dist.irecv with their own waits (from rank me + back: the previous)."""
     cp, me = dist.get_world_size(group), dist.get_rank(group)
     nxt, prv = dist.get_global_rank(group, (me + 1) % cp), dist.get_global_rank(group, (me + back) % cp)
-    out, lse = _start(q)
+    out, lse = checks_cp._start(q)
     for step in range(cp):
         if step < cp - 1:
             k_in, v_in = torch.empty_like(k), torch.empty_like(v)
@@ -105,7 +111,7 @@ def _p2p(kv, incoming, group, me, cp):
 
 def ref_ring_group_peer(q, k, v, group, zigzag):
     cp, me = dist.get_world_size(group), dist.get_rank(group)
-    out, lse = _start(q)
+    out, lse = checks_cp._start(q)
     kv = torch.cat([k, v], dim=1)                      # (b, 2 kv_heads, s/cp, d)
     for step in range(cp):
         incoming = torch.empty_like(kv)
@@ -130,31 +136,10 @@ def ref_positions_2d(seq_len, rank, u, r, zigzag):
     return ref_positions(seq_len, node, r, zigzag).view(u, -1)[place]
 
 
-def _heads_fit(q, k, group):
-    u = dist.get_world_size(group)
-    if q.shape[1] % u or k.shape[1] % u:
-        raise ValueError(f"u={u} must divide the {q.shape[1]} query and {k.shape[1]} key/value heads")
-    return u
-
-
-def _swap(x, scatter_dim, gather_dim, group):
-    """One all_to_all_single: piece i of scatter_dim to rank i, what arrives joined along gather_dim in rank order."""
-    u = dist.get_world_size(group)
-    send = torch.stack(x.chunk(u, dim=scatter_dim)).contiguous()
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
-
-
-def ref_attention_2d(q, k, v, ulysses_group, ring_group, zigzag, ring=ref_ring):
-    _heads_fit(q, k, ulysses_group)
-    q, k, v = (_swap(t, 1, 2, ulysses_group) for t in (q, k, v))          # (b, heads/u, s/r, d): ring rank g's tokens
-    return _swap(ring(q, k, v, ring_group, zigzag), 2, 1, ulysses_group)  # (b, heads, s/cp, d)
-
-
 def ref_attention_2d_lists(q, k, v, ulysses_group, ring_group, zigzag):
     """dist.all_to_all on lists, K and V in one exchange, no all-to-all at all where u = 1, the group_peer ring."""
-    u = _heads_fit(q, k, ulysses_group)
+    checks_cp._Attention2D().fit(q, k, ulysses_group)
+    u = dist.get_world_size(ulysses_group)
 
     def swap(x, scatter_dim, gather_dim):
         if u == 1:
@@ -170,19 +155,27 @@ def ref_attention_2d_lists(q, k, v, ulysses_group, ring_group, zigzag):
     return swap(ref_ring_group_peer(q, kv[:, :, 0], kv[:, :, 1], ring_group, zigzag), 2, 1)
 
 
-CORRECT = [(check_layout, (ref_chunks, ref_positions)), (check_merge, (ref_merge,)),
-           (check_attend_block, (ref_attend_block,)), (check_ring_attention, (ref_ring,)),
-           (check_ring_attention, (ref_ring_group_peer,)), (check_mesh_2d, (ref_groups_2d, ref_positions_2d)),
-           (check_attention_2d, (ref_attention_2d,)), (check_attention_2d, (ref_attention_2d_lists,))]
+OTHERS = {"layout": (check_layout, ref_chunks, ref_positions), "merge": (check_merge, ref_merge),
+          "attend_block": (check_attend_block, ref_attend_block), "ring": (check_ring_attention, ref_ring),
+          "ring_group_peer": (check_ring_attention, ref_ring_group_peer),
+          "mesh_2d": (check_mesh_2d, ref_groups_2d, ref_positions_2d),
+          "attention_2d_lists": (check_attention_2d, ref_attention_2d_lists)}
 
 
 # The cases each check's table runs (picotron_course.checks.Report): its promise, asserted by every_case.
 CASES = {"layout": 10, "merge": 8, "attend_block": 8, "ring_attention": 8, "mesh_2d": 12, "attention_2d": 12}
 
 
-@pytest.mark.parametrize("check, answers", CORRECT, ids=["layout", "merge", "attend_block", "ring", "ring_group_peer",
-                                                         "mesh_2d", "attention_2d", "attention_2d_lists"])
-def test_correct_answer_passes(check, answers, every_case):
+@pytest.mark.parametrize("check, answers", [(c, a) for c, *a in BASES.values()], ids=list(BASES))
+def test_correct_answer_passes(check, answers, every_case, monkeypatch):
+    for declared in [v for v in vars(checks_cp).values() if isinstance(v, Check)]:
+        monkeypatch.setattr(declared, "course", None)   # Check.refuse refuses nothing (the ranks never refuse here)
+    check(*answers)
+    every_case(CASES)
+
+
+@pytest.mark.parametrize("check, answers", [(c, a) for c, *a in OTHERS.values()], ids=list(OTHERS))
+def test_another_correct_answer_passes(check, answers, every_case):
     if answers == (ref_attention_2d_lists,) and not run(_gloo_all_to_all_on_lists, 2, backend="gloo")[0]:
         with pytest.raises(AssertionError, match="RuntimeError.*call all_to_all_single"):
             check(*answers)                     # torch 2.11 (the GPU machine's): test_an_old_gloo_is_named_as_the_cause
@@ -201,10 +194,11 @@ def _gloo_all_to_all_on_lists() -> bool:
 
 def attention_2d_on_an_old_gloo(q, k, v, ulysses_group, ring_group, zigzag):
     """What torch 2.11's gloo does with dist.all_to_all on lists: q's exchange starts, then the backend refuses."""
+    base = checks_cp._Attention2D()
     if dist.get_world_size(ulysses_group) > 1:
-        _swap(q, 1, 2, ulysses_group)
+        base.swap(q, 1, 2, ulysses_group)
         raise RuntimeError("ProcessGroup gloo does not support alltoall")
-    return ref_attention_2d(q, k, v, ulysses_group, ring_group, zigzag)
+    return base(q, k, v, ulysses_group, ring_group, zigzag)
 
 
 def test_an_old_gloo_is_named_as_the_cause():
@@ -270,7 +264,9 @@ def ring_course_answer(q, k, v, group, zigzag):
 
 
 def attention_2d_course_answer(q, k, v, ulysses_group, ring_group, zigzag):
-    return ref_attention_2d(q, k, v, ulysses_group, ring_group, zigzag, ring=ring_course_answer)
+    base = checks_cp._Attention2D()
+    base.ring = ring_course_answer                      # the checks' correct answer, round the course's ring
+    return base(q, k, v, ulysses_group, ring_group, zigzag)
 
 
 REFUSED = {"ring": (check_ring_attention, ring_course_answer),

@@ -1,7 +1,8 @@
 """The checks of assignment 04 pass correct answers and refuse the course's own (picotron.parallel.tensor_parallel).
 
-The correct answers are written here, not taken from the solution notebook (which runs under nbval on its own), so a
-check that passes everything, or nothing, is caught. The wrong answers are the checks' misconceptions, each failing
+The correct answers are the checks' own correct code, judged with the refusal off, and others written here, not
+taken from the solution notebook (which runs under nbval on its own), so a check that passes everything, or nothing,
+is caught. The wrong answers are the checks' misconceptions, each failing
 with its hint (tests/test_misconceptions.py)."""
 
 import pytest
@@ -9,33 +10,35 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd import Function
 
 from picotron_course import checks_tp
 from picotron_course.checks_tp import (TP_SIZES, check_column_parallel, check_copy_to_tp, check_gather_from_sp,
                                        check_reduce_from_tp, check_reduce_scatter_to_sp, check_row_parallel,
                                        check_sp_mlp, check_tp_mlp, check_vocab_parallel_cross_entropy, mlp_with_g,
                                        recorded_collectives)
+from picotron_course.engine import Check
 from picotron.launch import run
 
 MAX = dist.ReduceOp.MAX
 PACKAGE = "picotron.parallel.tensor_parallel"
 
 
-# ---- correct answers: f, g and SP's two, each an autograd Function -------------------------------
-def function(name, forward, backward):
-    """A Function whose forward is forward(x, group) and backward backward(grad, group)."""
-    def forward_(ctx, x, group):
-        ctx.group = group
-        return forward(x, group)
-    return type(Function)(name, (Function,), {"forward": staticmethod(forward_),
-                                              "backward": staticmethod(lambda ctx, g: (backward(g, ctx.group), None))})
+# ---- correct answers ------------------------------------------------------------------------------
+# The checks' own correct code (the bases their misconceptions change, refused as a learner's answer), judged with
+# the refusal off: f, g, SP's two and the loss, refused only here, in the parent. The layers are refused on the ranks
+# too (where no monkeypatch reaches), so theirs are written here. Then other valid answers, which must pass too.
+BASES = {"copy": (check_copy_to_tp, checks_tp._Copy), "reduce": (check_reduce_from_tp, checks_tp._Reduce),
+         "gather": (check_gather_from_sp, checks_tp._Gather),
+         "scatter": (check_reduce_scatter_to_sp, checks_tp._Scatter),
+         "ce": (check_vocab_parallel_cross_entropy, checks_tp._ce(""))}
 
 
-def summed(t, group):
-    t = t.contiguous().clone()
-    dist.all_reduce(t, group=group)
-    return t
+def function(name, forward, backward, module=__name__):
+    """A Function whose forward is forward(x, group) and backward backward(grad, group) (checks_tp's builder), in
+    `module`: this file, where the ranks find it."""
+    made = checks_tp._function(name, forward, backward)
+    made.__module__ = module
+    return made
 
 
 def summed_in_place(t, group):   # Megatron-LM's way: all-reduce the tensor where it lies and return it
@@ -48,22 +51,6 @@ def summed_through_comm(t, group):   # picotron.comm's wrapper, which calls torc
     t = t.contiguous().clone()
     all_reduce(t, group=group)
     return t
-
-
-def gather_seq(x, group):
-    """(b, s/t, h) on every rank -> (b, s, h), rank order, through all_gather_into_tensor (joins along dim 0)."""
-    first = x.movedim(1, 0).contiguous()                                # (s/t, b, h)
-    whole = first.new_empty(dist.get_world_size(group) * first.shape[0], *first.shape[1:])
-    dist.all_gather_into_tensor(whole, first, group=group)
-    return whole.movedim(0, 1).contiguous()
-
-
-def scatter_seq(x, group):
-    """(b, s, h) partial sums -> (b, s/t, h): this rank's tokens of their sum, through reduce_scatter_tensor."""
-    first = x.movedim(1, 0).contiguous()                                # (s, b, h)
-    mine = first.new_empty(first.shape[0] // dist.get_world_size(group), *first.shape[1:])
-    dist.reduce_scatter_tensor(mine, first, group=group)
-    return mine.movedim(0, 1).contiguous()
 
 
 def gather_list(x, group):   # the list versions, all_gather and reduce_scatter, as the solution's hints suggest
@@ -79,14 +66,10 @@ def scatter_list(grad, group):
     return mine
 
 
-RefCopy = function("RefCopy", lambda x, group: x.clone(), summed)
-RefCopyMegatron = function("RefCopyMegatron", lambda x, group: x, summed_in_place)
+RefCopyMegatron = function("RefCopyMegatron", checks_tp._same, summed_in_place)
 RefCopyThroughComm = function("RefCopyThroughComm", lambda x, group: x.clone(), summed_through_comm)
-RefReduce = function("RefReduce", summed, lambda grad, group: grad)
-RefReduceInPlace = function("RefReduceInPlace", summed_in_place, lambda grad, group: grad)
-RefGather = function("RefGather", gather_seq, scatter_seq)
+RefReduceInPlace = function("RefReduceInPlace", summed_in_place, checks_tp._same)
 RefGatherLists = function("RefGatherLists", gather_list, scatter_list)
-RefScatter = function("RefScatter", scatter_seq, gather_seq)
 
 
 # ---- the layers ------------------------------------------------------------------------------------
@@ -100,7 +83,7 @@ class RefColumn(nn.Module):
         self.group, self.weight = group, nn.Parameter(shard(linear.weight, group, 0))
 
     def forward(self, x):
-        return F.linear(RefCopy.apply(x, self.group), self.weight)
+        return F.linear(checks_tp._Copy.apply(x, self.group), self.weight)
 
 
 class RefRow(nn.Module):
@@ -109,7 +92,7 @@ class RefRow(nn.Module):
         self.group, self.weight = group, nn.Parameter(shard(linear.weight, group, 1))
 
     def forward(self, x):
-        return RefReduce.apply(x @ self.weight.T, self.group)
+        return checks_tp._Reduce.apply(x @ self.weight.T, self.group)
 
 
 class RefSPMLP(nn.Module):
@@ -119,35 +102,12 @@ class RefSPMLP(nn.Module):
         self.down_weight = nn.Parameter(shard(down.weight, group, 1))
 
     def forward(self, x):
-        h = F.gelu(RefGather.apply(x, self.group) @ self.up_weight.T)
-        return RefScatter.apply(h @ self.down_weight.T, self.group)
+        h = F.gelu(checks_tp._Gather.apply(x, self.group) @ self.up_weight.T)
+        return checks_tp._Scatter.apply(h @ self.down_weight.T, self.group)
 
 
 # ---- vocab-parallel cross-entropy -------------------------------------------------------------------
-class RefCE(Function):
-    @staticmethod
-    def forward(ctx, logits, targets, group):
-        k, low = logits.shape[-1], dist.get_rank(group) * logits.shape[-1]
-        m = logits.max(dim=-1).values
-        dist.all_reduce(m, op=MAX, group=group)
-        e = torch.exp(logits - m.unsqueeze(-1))
-        s = summed(e.sum(dim=-1), group)
-        owned = (targets >= low) & (targets < low + k)
-        idx = torch.where(owned, targets - low, torch.zeros_like(targets))
-        picked = logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1) - m
-        zt = summed(torch.where(owned, picked, torch.zeros_like(picked)), group)
-        ctx.save_for_backward(e, s, idx, owned)
-        return (torch.log(s) - zt).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        e, s, idx, owned = ctx.saved_tensors
-        g = e / s.unsqueeze(-1)
-        g.scatter_add_(-1, idx.unsqueeze(-1), -owned.unsqueeze(-1).to(g.dtype))
-        return g * grad / idx.numel(), None, None
-
-
-class RefCEMerged(RefCE):
+class RefCEMerged(checks_tp._CE):
     """Sum of exponentials and target logit in one all-reduce: 3 numbers per token in two calls."""
 
     @staticmethod
@@ -161,6 +121,7 @@ class RefCEMerged(RefCE):
         both = torch.stack([e.sum(-1), ((logits.gather(-1, idx[..., None])[..., 0] - m) * owned)])
         dist.all_reduce(both, group=group)
         ctx.save_for_backward(e, both[0], idx, owned)
+        ctx.wrong = ""                                      # the base's backward, with no mistake
         return (both[0].log() - both[1]).mean()
 
 
@@ -170,22 +131,19 @@ def ref_ce_from_pieces(local_logits, targets, group):
     m = local_logits.detach().amax(-1)
     dist.all_reduce(m, op=MAX, group=group)
     shifted = local_logits - m[..., None]
-    sum_exp = RefReduce.apply(shifted.exp().sum(-1), group)
+    sum_exp = checks_tp._Reduce.apply(shifted.exp().sum(-1), group)
     owned = (targets >= low) & (targets < low + k)
     picked = shifted.gather(-1, (targets - low).clamp(0, k - 1)[..., None]).squeeze(-1)
-    target = RefReduce.apply(picked * owned, group)
+    target = checks_tp._Reduce.apply(picked * owned, group)
     return (sum_exp.log() - target).mean()
 
 
-CORRECT = {"copy": (check_copy_to_tp, RefCopy), "copy_megatron": (check_copy_to_tp, RefCopyMegatron),
-           "copy_comm": (check_copy_to_tp, RefCopyThroughComm), "reduce": (check_reduce_from_tp, RefReduce),
-           "reduce_in_place": (check_reduce_from_tp, RefReduceInPlace), "column": (check_column_parallel, RefColumn),
-           "row": (check_row_parallel, RefRow), "mlp": (check_tp_mlp, RefColumn, RefRow),
-           "ce": (check_vocab_parallel_cross_entropy, RefCE.apply),   # apply(local_logits, targets, group)
-           "ce_merged": (check_vocab_parallel_cross_entropy, RefCEMerged.apply),
-           "ce_pieces": (check_vocab_parallel_cross_entropy, ref_ce_from_pieces),
-           "gather": (check_gather_from_sp, RefGather), "gather_lists": (check_gather_from_sp, RefGatherLists),
-           "scatter": (check_reduce_scatter_to_sp, RefScatter), "sp_mlp": (check_sp_mlp, RefSPMLP)}
+OTHERS = {"copy_megatron": (check_copy_to_tp, RefCopyMegatron), "copy_comm": (check_copy_to_tp, RefCopyThroughComm),
+          "reduce_in_place": (check_reduce_from_tp, RefReduceInPlace), "column": (check_column_parallel, RefColumn),
+          "row": (check_row_parallel, RefRow), "mlp": (check_tp_mlp, RefColumn, RefRow),
+          "ce_merged": (check_vocab_parallel_cross_entropy, RefCEMerged.apply),   # apply(local_logits, targets, group)
+          "ce_pieces": (check_vocab_parallel_cross_entropy, ref_ce_from_pieces),
+          "gather_lists": (check_gather_from_sp, RefGatherLists), "sp_mlp": (check_sp_mlp, RefSPMLP)}
 
 # The cases each check's table runs (picotron_course.checks.Report): its promise, asserted by every_case.
 CASES = {"CopyToTP (f)": 4, "ReduceFromTP (g)": 4, "ColumnParallelLinear": 4, "RowParallelLinear": 4,
@@ -193,8 +151,16 @@ CASES = {"CopyToTP (f)": 4, "ReduceFromTP (g)": 4, "ColumnParallelLinear": 4, "R
          "ReduceScatterToSP (reduce-scatter the sequence)": 4, "SequenceParallelMLP": 4}
 
 
-@pytest.mark.parametrize("check, answers", [(c, a) for c, *a in CORRECT.values()], ids=list(CORRECT))
-def test_correct_answer_passes(check, answers, every_case):
+@pytest.mark.parametrize("check, answers", [(c, a) for c, *a in BASES.values()], ids=list(BASES))
+def test_correct_answer_passes(check, answers, every_case, monkeypatch):
+    for declared in [v for v in vars(checks_tp).values() if isinstance(v, Check)]:
+        monkeypatch.setattr(declared, "course", None)   # Check.refuse refuses nothing (these ranks never refuse)
+    check(*answers)
+    every_case(CASES)
+
+
+@pytest.mark.parametrize("check, answers", [(c, a) for c, *a in OTHERS.values()], ids=list(OTHERS))
+def test_another_correct_answer_passes(check, answers, every_case):
     check(*answers)
     every_case(CASES)
 
@@ -206,11 +172,12 @@ def course_ce():
     return vocab_parallel_cross_entropy
 
 
-CourseCopy = type("CopyToTP", (RefCopy,), {"__module__": PACKAGE})           # named, never imported
-CourseGather = type("GatherFromSP", (RefGather,), {"__module__": PACKAGE})
+CourseCopy = function("CopyToTP", checks_tp._same, checks_tp._all_reduce, PACKAGE)   # named, never imported
+CourseGather = function("GatherFromSP", checks_tp._gather_seq, checks_tp._scatter_seq, PACKAGE)
 REFUSED = {"course_copy": (check_copy_to_tp, CourseCopy), "base_copy": (check_copy_to_tp, checks_tp._Copy),
            "course_gather": (check_gather_from_sp, CourseGather), "base_sp_mlp": (check_sp_mlp, checks_tp._SPMLP),
            "course_ce": (check_vocab_parallel_cross_entropy, course_ce()),
+           "base_ce": (check_vocab_parallel_cross_entropy, checks_tp._ce("")),
            "base_column_in_mlp": (check_tp_mlp, checks_tp._Column, RefRow)}
 
 
@@ -232,7 +199,7 @@ def test_global_rank_in_the_loss_fails_only_the_groups_of_two(capsys):
 
 class RowWithCopy(RefRow):
     def forward(self, x):
-        return RefCopy.apply(x @ self.weight.T, self.group)   # f instead of g: the all-reduce in backward
+        return checks_tp._Copy.apply(x @ self.weight.T, self.group)   # f instead of g: the all-reduce in backward
 
 
 def test_f_in_place_of_g_gets_the_hint_of_no_g():
@@ -271,11 +238,8 @@ def test_recorder_counts_each_call_once_with_its_group():
 
 
 # ---- predict, then run: the harness shows what a g does to the gradients ----------------------------
-ReduceBothWays = function("ReduceBothWays", summed, summed)
-
-
 def test_mlp_with_g_shows_the_gradients_t_times_too_large(capsys):
-    right, both = mlp_with_g(RefReduce), mlp_with_g(ReduceBothWays)
+    right, both = mlp_with_g(checks_tp._Reduce), mlp_with_g(checks_tp.ReduceBackwardToo)   # g, and g both ways
     one = right["one process"]
     for tp in TP_SIZES:
         assert right[f"tp={tp}"]["loss"] == pytest.approx(one["loss"], rel=1e-6)
