@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 from picotron_course.checks import (all_ranks_ok, close_enough, collectives_observed, grad_of, one_thread,
                                     payload_of, raised, rank_tensor)
-from picotron_course.engine import Check, Close, Exact, Misconception, Within, observe_on_ranks, world_and_halves
+from picotron_course.engine import (Check, Close, Exact, Misconception, Within, named, observe_on_ranks,
+                                    world_and_halves)
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",
            "check_capacity_moe", "unpermute_demo", "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe",
@@ -69,9 +70,9 @@ ONLY = {__name__: {"_permute", "_AllToAll", "_dispatch", "_combine", "_capacity_
 RANK = ("rank {}",)
 
 # (name, tokens per rank, top_k, routing). "skewed": expert 0 favoured, experts 6 and 7 never chosen;
-# "gap": rank 1 of the group never chooses the experts of rank (2 mod ep), so it sends it no row.
-ROUTE_CASES = [("random", 6, 2, "random"), ("skewed", 6, 2, "skewed"), ("gap", 6, 2, "gap"),
-               ("top-1", 5, 1, "random")]
+# "gap": rank 1 of the group never chooses the experts of rank {gap} = 2 mod ep, so it sends it no row.
+ROUTE_CASES = [("random", 6, 2, "random"), ("skewed: experts 6, 7 get nothing", 6, 2, "skewed"),
+               ("rank 1 sends nothing to rank {gap}", 6, 2, "gap"), ("top-1", 5, 1, "random")]
 # (name, {ep: rows[i][j] that rank i of the group sends to rank j}, trailing shape of a row)
 A2A_CASES = [("uneven, rank 1 sends nothing", {4: [[1, 2, 0, 3], [0, 0, 0, 0], [2, 1, 1, 0], [0, 3, 0, 1]],
                                                2: [[1, 2], [0, 0]]}, (5,)),
@@ -90,8 +91,8 @@ SPLIT_RULE = ("all_to_all_single(output, input, output_split_sizes, input_split_
 # ---- how the observations are compared and shown ---------------------------------------------------
 @dataclass(frozen=True)
 class Said(Exact):
-    """Exact, shown whole: what a rank raised, the collectives of a phase, what a function returned (the engine's
-    Exact cuts a value at 160 characters: a proposed engine feature)."""
+    """Exact, shown whole: what a rank raised, the collectives of a phase, what a function returned. Not engine.Said:
+    a phase's collectives are a list, said one after the other ("a, then b"; "no collective" for none)."""
 
     def shown(self, got, want) -> str:
         return f"expected {_words(want)}; got {_words(got)}"
@@ -103,30 +104,26 @@ def _words(value) -> str:
     return "nothing" if value is None or value == "" else str(value)
 
 
-def _what(value) -> str:
-    return f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
-
-
 def _tensor(t, dtype: bool = False, grad: bool = False) -> str:
-    """A tensor in words: its shape, and its dtype or whether it requires grad when asked."""
+    """A tensor in words: its shape, and its dtype or whether it requires grad when asked (another value: its type,
+    and its length)."""
     if not isinstance(t, torch.Tensor):
-        return _what(t)
+        return f"a {type(t).__name__}" + (f" of {len(t)}" if isinstance(t, (tuple, list)) else "")
     return (f"{tuple(t.shape)}" + (f" {str(t.dtype).removeprefix('torch.')}" if dtype else "")
             + ((" requiring grad" if t.requires_grad else " not requiring grad") if grad else ""))
 
 
-def _wanted(*shape) -> str:
+def _wanted(*shape: int) -> str:
     """The words of a tensor of that shape that requires grad: what a differentiable step must return."""
-    return _tensor(torch.empty(shape, requires_grad=True), grad=True)
+    return f"{shape} requiring grad"
 
 
 # ---- recording (and guarding) the collectives a rank makes ------------------------------------------
 @dataclass(frozen=True)
 class Exchange:
-    """One collective call: operation ("all_to_all" for either form), elements and bytes handed in, the
-    rows sent to / received from each rank (all-to-all only) and the size of its group."""
+    """One collective call: operation ("all_to_all" for either form), bytes handed in, the rows sent to / received
+    from each rank (all-to-all only) and the size of its group."""
     op: str
-    numel: int
     nbytes: int
     send: tuple | None
     recv: tuple | None
@@ -156,48 +153,50 @@ def recorded_exchanges(where: str) -> Iterator[list[Exchange]]:
     """Inside the block, every collective this rank calls is appended to the yielded list.
 
     An all-to-all counts its input; any other operation its largest tensor argument. Before an
-    all-to-all runs, the split sizes of every rank of its group are compared; if they disagree, every
-    rank raises SplitsDisagree naming `where` and the first mismatch.
+    all-to-all runs, the split sizes of every rank of its group are compared (by an all-gather of the
+    guard's own, not recorded); if they disagree, every rank raises SplitsDisagree naming `where` and
+    the first mismatch.
     """
     calls: list[Exchange] = []
-    gather = c10d.all_gather  # the guard's own all-gather, never recorded
+    gather = c10d.all_gather
 
     def record(name: str, arguments: dict) -> None:
         group = arguments.get("group")
         size = dist.get_world_size(group)
         if name in ("all_to_all_single", "all_to_all"):
-            call, shapes = _all_to_all_call(name, arguments, size)
+            call, sizes = _all_to_all_call(name, arguments, size)
             calls.append(call)
-            _check_splits(where, shapes, group, gather)   # raises SplitsDisagree before the exchange runs
+            table = [torch.zeros(len(sizes), dtype=torch.long) for _ in range(size)]
+            gather(table, torch.tensor(sizes, dtype=torch.long), group=group)
+            problem = _splits_problem([row.tolist() for row in table], size)
+            if problem:
+                raise SplitsDisagree(f"{where}: the all-to-all's split sizes do not fit: {problem}")
         else:
             payload = payload_of(name, arguments)
-            numel = 0 if payload is None else payload.numel()
-            nbytes = 0 if payload is None else numel * payload.element_size()
-            calls.append(Exchange(name.strip("_").removesuffix("_base"), numel, nbytes, None, None, size))
+            nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+            calls.append(Exchange(name.strip("_").removesuffix("_base"), nbytes, None, None, size))
 
     with collectives_observed(record):
         yield calls
 
 
-def _all_to_all_call(name: str, arguments: dict, size: int) -> tuple[Exchange, dict]:
-    """The Exchange of an all-to-all, and the sizes the guard compares across ranks."""
+def _all_to_all_call(name: str, arguments: dict, size: int) -> tuple[Exchange, list[int]]:
+    """The Exchange of an all-to-all, and the sizes the guard compares across ranks: rows in, rows out, whether
+    the rows have one shape, whether the splits are one number per rank, then the splits sent and received."""
+    def rows(t: torch.Tensor) -> int:
+        return t.shape[0] if t.dim() else 1
     if name == "all_to_all_single":
-        output, input = arguments["output"], arguments["input"]
-        rows_in, rows_out = input.shape[0] if input.dim() else 1, output.shape[0] if output.dim() else 1
-        send = _splits(arguments.get("input_split_sizes"), rows_in, size)
-        recv = _splits(arguments.get("output_split_sizes"), rows_out, size)
-        same_rows = tuple(input.shape[1:]) == tuple(output.shape[1:])
-        numel, nbytes = input.numel(), input.numel() * input.element_size()
+        inputs, outputs = [arguments["input"]], [arguments["output"]]
+        send = _splits(arguments.get("input_split_sizes"), rows(inputs[0]), size)
+        recv = _splits(arguments.get("output_split_sizes"), rows(outputs[0]), size)
     else:  # all_to_all(output_tensor_list, input_tensor_list): one tensor per rank
-        outputs, inputs = list(arguments["output_tensor_list"]), list(arguments["input_tensor_list"])
-        send = tuple(t.shape[0] if t.dim() else 1 for t in inputs)
-        recv = tuple(t.shape[0] if t.dim() else 1 for t in outputs)
-        rows_in, rows_out = sum(send), sum(recv)
-        same_rows = len({tuple(t.shape[1:]) for t in inputs + outputs}) <= 1
-        numel = sum(t.numel() for t in inputs)
-        nbytes = sum(t.numel() * t.element_size() for t in inputs)
-    call = Exchange("all_to_all", numel, nbytes, send, recv, size)
-    return call, {"rows_in": rows_in, "rows_out": rows_out, "send": send, "recv": recv, "same_rows": same_rows}
+        inputs, outputs = list(arguments["input_tensor_list"]), list(arguments["output_tensor_list"])
+        send, recv = tuple(map(rows, inputs)), tuple(map(rows, outputs))
+    same_rows = len({t.shape[1:] for t in inputs + outputs}) <= 1
+    valid = send is not None and recv is not None and len(send) == len(recv) == size
+    sizes = [sum(map(rows, inputs)), sum(map(rows, outputs)), int(same_rows), int(valid),
+             *(list(send) + list(recv) if valid else [0] * (2 * size))]
+    return Exchange("all_to_all", sum(t.numel() * t.element_size() for t in inputs), send, recv, size), sizes
 
 
 def _splits(sizes, rows: int, size: int) -> tuple | None:
@@ -208,21 +207,8 @@ def _splits(sizes, rows: int, size: int) -> tuple | None:
     return tuple(int(s) for s in sizes)
 
 
-def _check_splits(where: str, shapes: dict, group, gather: Callable) -> None:
-    """Raise SplitsDisagree on every rank of `group` if the ranks' all-to-all sizes do not fit together."""
-    size = dist.get_world_size(group)
-    send, recv = shapes["send"], shapes["recv"]
-    valid = send is not None and recv is not None and len(send) == size and len(recv) == size
-    mine = [shapes["rows_in"], shapes["rows_out"], int(shapes["same_rows"]), int(valid)]
-    mine += list(send) + list(recv) if valid else [0] * (2 * size)
-    table = [torch.zeros(len(mine), dtype=torch.long) for _ in range(size)]
-    gather(table, torch.tensor(mine, dtype=torch.long), group=group)
-    problem = _splits_problem([row.tolist() for row in table], size)
-    if problem:
-        raise SplitsDisagree(f"{where}: the all-to-all's split sizes do not fit: {problem}")
-
-
 def _splits_problem(table: list[list[int]], size: int) -> str:
+    """What does not fit in the sizes every rank of a group gathered (one row a rank), "" when they fit."""
     for i, (rows_in, rows_out, same_rows, valid, *sizes) in enumerate(table):
         send, recv = sizes[:size], sizes[size:]
         if not valid:
@@ -256,11 +242,6 @@ def _tokens(rank: int, tokens: int, seed: int) -> torch.Tensor:
     return rank_tensor(10 + rank, (tokens, HIDDEN), FP32, seed)
 
 
-def _router(seed: int) -> torch.Tensor:
-    """The router's weight (E, h), the same on every rank."""
-    return rank_tensor(1, (NUM_EXPERTS, HIDDEN), FP32, seed) * 0.7
-
-
 def _bias(kind: str, group_rank: int, ep: int) -> torch.Tensor:
     """A per-case shift of the router's logits, (E,), that makes the routing skewed or leaves a gap."""
     bias = torch.zeros(NUM_EXPERTS)
@@ -272,17 +253,10 @@ def _bias(kind: str, group_rank: int, ep: int) -> torch.Tensor:
     return bias
 
 
-def _case_name(case: tuple, ep: int) -> str:
-    name, _, _, kind = case
-    if kind == "skewed":
-        return "skewed: experts 6, 7 get nothing"
-    if kind == "gap":
-        return f"rank 1 sends nothing to rank {2 % ep}"
-    return name
-
-
 def _logits(x: torch.Tensor, seed: int, kind: str, group_rank: int, ep: int) -> torch.Tensor:
-    return F.linear(x, _router(seed).to(x.dtype)) + _bias(kind, group_rank, ep).to(x.dtype)
+    """The router's logits: its weight (E, h) is the same on every rank; the case's bias shifts them."""
+    router = rank_tensor(1, (NUM_EXPERTS, HIDDEN), FP32, seed) * 0.7
+    return F.linear(x, router.to(x.dtype)) + _bias(kind, group_rank, ep).to(x.dtype)
 
 
 def _expert_ids(x: torch.Tensor, seed: int, case: tuple, group_rank: int, ep: int) -> torch.Tensor:
@@ -339,18 +313,15 @@ class _Plan:
 
     def received_counts(self, d: int) -> torch.Tensor:
         """(ep, E/ep): [s, j] = rows rank d receives from rank s for its local expert j."""
-        return self.counts[:, d * self.local:(d + 1) * self.local].clone()
+        return self.counts[:, d * self.local:(d + 1) * self.local]
 
-    def destinations(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each slot of rank s (in slot order): the rank it goes to and its row there."""
-        experts = self.ids[s].flatten()[self.orders[s]]               # (T k,) expert of each sorted row
-        dest = torch.div(experts, self.local, rounding_mode="floor")
-        first = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(self.send(s)).cumsum(0)[:-1]])
-        before = torch.tensor([sum(self.send(o)[d] for o in range(s)) for d in range(self.ep)], dtype=torch.long)
-        row = before[dest] + torch.arange(len(experts)) - first[dest]  # offset of s's block in d + place in it
-        slot_dest, slot_row = torch.empty_like(dest), torch.empty_like(row)
-        slot_dest[self.orders[s]], slot_row[self.orders[s]] = dest, row
-        return slot_dest, slot_row
+    def outward(self, s: int) -> str:
+        """In words, the all-to-all of rank s's T k rows (h fp32 each) to the ranks of their experts."""
+        return _collective("all_to_all", sum(self.send(s)) * HIDDEN * 4, self.ep, self.send(s), self.recv(s))
+
+    def homeward(self, s: int) -> str:
+        """In words, the reverse one: the rows rank s received, back to the ranks they came from."""
+        return _collective("all_to_all", sum(self.recv(s)) * HIDDEN * 4, self.ep, self.recv(s), self.send(s))
 
 
 def _plan(members: list[int], seed: int, case: tuple) -> _Plan:
@@ -367,9 +338,26 @@ def _sorted_rows(plan: _Plan, s: int, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- running the answers on the ranks -----------------------------------------------------------------
+def _groups(ep: int) -> list[list[int]]:
+    """The ep groups, as global ranks: all 4, or the pairs 0-1 and 2-3."""
+    return [list(range(first, first + ep)) for first in range(0, WORLD, ep)]
+
+
 def _members(ep: int, rank: int) -> list[int]:
-    """The global ranks of `rank`'s ep group: all 4, or its pair (0-1 or 2-3)."""
-    return list(range(WORLD)) if ep == WORLD else ([0, 1] if rank < 2 else [2, 3])
+    """The global ranks of `rank`'s ep group."""
+    return _groups(ep)[rank // ep]
+
+
+def _all_to_all(blocks: list[torch.Tensor], splits: list[list[int]], i: int) -> torch.Tensor:
+    """The all-to-all in one process: what rank i of a group receives when each rank s sends blocks[s] cut into
+    splits[s] rows for ranks 0, 1, ... (rank i puts what comes from ranks 0, 1, ... in turn)."""
+    return torch.cat([block.split(split)[i] for block, split in zip(blocks, splits)])
+
+
+def _per_rank(wants: list[dict]) -> dict:
+    """What each global rank must observe, one dict a rank, as one list over the ranks a quantity; nothing raised."""
+    nothing_raised = {"raised": [""] * WORLD, "backward raised": [""] * WORLD}
+    return {key: [want[key] for want in wants] for key in wants[0]} | nothing_raised
 
 
 def _on_ranks(run_case: Callable) -> Callable:
@@ -385,7 +373,7 @@ def _in_process(run_case: Callable) -> Callable:
 
 def _route_cases(**columns: Callable) -> list[dict]:
     """The routings in ep = 4, then in ep = 2 (the rows of a table); `columns`: more of them, from the routing."""
-    return [dict(ep=ep, case=_case_name(route, ep), **{k: f(route) for k, f in columns.items()}, _seed=seed,
+    return [dict(ep=ep, case=route[0].format(gap=2 % ep), **{k: f(route) for k, f in columns.items()}, _seed=seed,
                  _route=route) for ep in EP_SIZES for seed, route in enumerate(ROUTE_CASES)]
 
 
@@ -426,6 +414,15 @@ def _backward(seen: dict, group, step: str, y, upstream: torch.Tensor, leaves: d
         all_ranks_ok(True, group)
 
 
+def _scored(case: dict, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens x (T, h) of a case in one process, and random router scores (T, E) shifted by its bias."""
+    x = rank_tensor(first, (case["T"], HIDDEN), FP32, case["_seed"])
+    scores = rank_tensor(first + 10, (case["T"], case["E"]), FP32, case["_seed"])
+    for expert, shift in case["_bias"].items():
+        scores[:, expert] += shift
+    return x, scores
+
+
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     """The gradient of a leaf, zeros where nothing reached it (an expert no token chose, a rank that got no row)."""
     return torch.zeros_like(t) if t.grad is None else t.grad
@@ -433,16 +430,13 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
 
 # ---- 1. permute -----------------------------------------------------------------------------------
 def _permute_inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    x = rank_tensor(50, (case["T"], HIDDEN), FP32, case["_seed"])
-    scores = rank_tensor(60, (case["T"], case["E"]), FP32, case["_seed"])
-    for expert, shift in case["_bias"].items():
-        scores[:, expert] += shift
+    x, scores = _scored(case, 50)
     return x, scores.topk(case["k"], dim=-1).indices
 
 
 def _permute_said(got) -> str:
     if not (isinstance(got, (tuple, list)) and len(got) == 3):
-        return _what(got)
+        return _tensor(got)
     return "rows {}, order {}, counts {}".format(_tensor(got[0]), _tensor(got[1], dtype=True), _tensor(got[2]))
 
 
@@ -505,18 +499,9 @@ def permute_not_sorted(tokens, expert_ids, num_experts):
     return tokens[order // expert_ids.shape[1]], order, torch.bincount(expert_ids.flatten(), minlength=num_experts)
 
 
-def permute_counts_without_minlength(tokens, expert_ids, num_experts):
-    rows, order, _ = _permute(tokens, expert_ids, num_experts)
-    return rows, order, torch.bincount(expert_ids.flatten())       # too short when the last experts get nothing
-
-
 def permute_rows_by_slot(tokens, expert_ids, num_experts):
     rows, order, counts = _permute(tokens, expert_ids, num_experts)
     return tokens[order.clamp(max=tokens.shape[0] - 1)], order, counts   # indexes tokens with slot numbers
-
-
-def permute_detached(tokens, expert_ids, num_experts):
-    return _permute(tokens.detach(), expert_ids, num_experts)
 
 
 PERMUTE = Check(
@@ -539,16 +524,19 @@ PERMUTE = Check(
         "x.grad": Close("the gradient of the tokens: each slot's gradient adds into its token's", n=ROUNDINGS,
                         dtype=FP32)},
     misconceptions=[
-        Misconception(permute_counts_without_minlength, "counts needs one number per expert, 0 for an expert nobody "
-                      "chose (the last ones too): torch.bincount(expert_ids.flatten(), minlength=num_experts)"),
-        Misconception(permute_token_order, "order looks like token numbers; give slot numbers t*k + j, so that "
-                                           "combine finds each slot's gate"),
+        Misconception(named("permute_counts_without_minlength", lambda tokens, expert_ids, num_experts: (
+            *_permute(tokens, expert_ids, num_experts)[:2], torch.bincount(expert_ids.flatten()))),   # no minlength
+                      "counts needs one number per expert, 0 for an expert nobody chose (the last ones too): "
+                      "torch.bincount(expert_ids.flatten(), minlength=num_experts)"),
+        Misconception(permute_token_order, "order looks like token numbers; give slot numbers t*k + j, so that combine "
+                                           "finds each slot's gate"),
         Misconception(permute_not_sorted, "the rows are not grouped by expert: sort the slots by expert "
                                           "(expert_ids.flatten().argsort(stable=True))"),
-        Misconception(permute_rows_by_slot, "rows[i] must be tokens[order[i] // k] (order holds slots; a slot's "
-                                            "token is slot // k)"),
-        Misconception(permute_detached, "rows does not require grad: index the tokens (tokens[index]) so that "
-                                        "gradients flow back to them; no .detach(), no torch.no_grad()")])
+        Misconception(permute_rows_by_slot, "rows[i] must be tokens[order[i] // k] (order holds slots; a slot's token "
+                                            "is slot // k)"),
+        Misconception(named("permute_detached", lambda tokens, *args: _permute(tokens.detach(), *args)),
+                      "rows does not require grad: index the tokens (tokens[index]) so that gradients flow back to "
+                      "them; no .detach(), no torch.no_grad()")])
 
 
 def check_permute(permute: Callable) -> None:
@@ -583,20 +571,19 @@ def _a2a_case(AllToAll: type, case: dict, group) -> dict:
 def _expect_a2a(case: dict, seen: dict) -> dict:
     """Per global rank: the rows and gradients cut and pasted in one process, one all-to-all each way."""
     ep, m, trailing, seed = case["ep"], case["_m"], case["row"], case["_seed"]
-    row = math.prod(trailing) * 4
-    want = {key: [] for key in ("forward", "returned", "y", "backward", "x.grad")}
+    row, received = math.prod(trailing) * 4, [_a2a_splits(case, d)[1] for d in range(ep)]
+    wants = []
     for rank in range(WORLD):
         members = _members(ep, rank)
         i = members.index(rank)
         send, recv = _a2a_splits(case, i)
         xs = [_a2a_rows(g, sum(m[s]), trailing, seed) for s, g in enumerate(members)]
-        ups = [_upstream(g, (sum(m[s][d] for s in range(ep)), *trailing), seed) for d, g in enumerate(members)]
-        want["forward"].append([_collective("all_to_all", sum(send) * row, ep, send, recv)])
-        want["returned"].append(_wanted(sum(recv), *trailing))
-        want["y"].append(torch.cat([xs[s].split(m[s])[i] for s in range(ep)]).double())
-        want["backward"].append([_collective("all_to_all", sum(recv) * row, ep, recv, send)])
-        want["x.grad"].append(torch.cat([ups[d].split([m[s][d] for s in range(ep)])[i] for d in range(ep)]).double())
-    return want | {"raised": [""] * WORLD, "backward raised": [""] * WORLD}
+        ups = [_upstream(g, (sum(received[d]), *trailing), seed) for d, g in enumerate(members)]
+        wants.append({"forward": [_collective("all_to_all", sum(send) * row, ep, send, recv)],
+                      "returned": _wanted(sum(recv), *trailing), "y": _all_to_all(xs, m, i).double(),
+                      "backward": [_collective("all_to_all", sum(recv) * row, ep, recv, send)],
+                      "x.grad": _all_to_all(ups, received, i).double()})
+    return _per_rank(wants)
 
 
 def _exchange(x: torch.Tensor, send: list, recv: list, group) -> torch.Tensor:
@@ -694,13 +681,13 @@ def check_all_to_all(AllToAll: type) -> None:
 # ---- 3. dispatch ----------------------------------------------------------------------------------
 def _dispatch_said(got) -> str:
     if not (isinstance(got, (tuple, list)) and len(got) == 3):
-        return _what(got)
+        return _tensor(got)
     received, counts, splits = got
     try:
         send, recv = ([int(v) for v in split] for split in splits)
         pair = f"(send, recv) of {len(send)} and {len(recv)} ints"
     except (TypeError, ValueError):
-        pair = f"splits {_what(splits)}, not a pair (send, recv) of lists of ints"
+        pair = f"splits {_tensor(splits)}, not a pair (send, recv) of lists of ints"
     return f"received {_tensor(received, grad=True)}, received_counts {_tensor(counts)}, {pair}"
 
 
@@ -729,33 +716,24 @@ def _dispatched(dispatch: Callable, case: dict, group) -> dict:
 
 def _expect_dispatch(case: dict, seen: dict) -> dict:
     """Per global rank: what dispatch must receive, return, send and hand back, from the plan of its group."""
-    want = {key: [] for key in ("forward", "returned", "received_counts", "splits", "received", "backward",
-                                "rows.grad")}
-    tokens, seed, ep = case["_route"][1], case["_seed"], case["ep"]
+    tokens, seed, ep, wants = case["_route"][1], case["_seed"], case["ep"], []
     for rank in range(WORLD):
         members, plan = _members(ep, rank), _plan_of(case, rank)
         i = members.index(rank)
         rows = [_sorted_rows(plan, s, _tokens(g, tokens, seed)) for s, g in enumerate(members)]
-        received = torch.cat([rows[s].split(plan.send(s))[i] for s in range(ep)])
         ups = [_upstream(g, (sum(plan.recv(d)), HIDDEN), seed) for d, g in enumerate(members)]
-        dest, where = plan.destinations(i)
-        want["forward"].append(_dispatch_collectives(plan, i, tokens))
-        want["returned"].append(_dispatch_said(_dispatch_shapes(plan, i)))
-        want["received_counts"].append(plan.received_counts(i).tolist())
-        want["splits"].append([plan.send(i), plan.recv(i)])
-        want["received"].append(received.double())
-        want["backward"].append([_collective("all_to_all", len(received) * HIDDEN * 4, ep, plan.recv(i),
-                                             plan.send(i))])
-        want["rows.grad"].append(torch.stack([ups[dest[slot]][where[slot]] for slot in plan.orders[i].tolist()])
-                                 .double())                         # (T k, h), in the sorted rows' order
-    return want | {"raised": [""] * WORLD, "backward raised": [""] * WORLD}
+        wants.append({"forward": _dispatch_collectives(plan, i), "returned": _dispatch_said(_dispatch_shapes(plan, i)),
+                      "received_counts": plan.received_counts(i).tolist(), "splits": [plan.send(i), plan.recv(i)],
+                      "received": _all_to_all(rows, [plan.send(s) for s in range(ep)], i).double(),
+                      "backward": [plan.homeward(i)],   # rows.grad: in the order of the sorted rows, as they went
+                      "rows.grad": _all_to_all(ups, [plan.recv(d) for d in range(ep)], i).double()})
+    return _per_rank(wants)
 
 
-def _dispatch_collectives(plan: _Plan, i: int, tokens: int) -> list[str]:
+def _dispatch_collectives(plan: _Plan, i: int) -> list[str]:
     """An all-to-all of the E counts (E/ep to each rank), then one of exactly rank i's T k rows."""
     local = [plan.local] * plan.ep
-    return [_collective("all_to_all", NUM_EXPERTS * 8, plan.ep, local, local),
-            _collective("all_to_all", tokens * plan.top_k * HIDDEN * 4, plan.ep, plan.send(i), plan.recv(i))]
+    return [_collective("all_to_all", NUM_EXPERTS * 8, plan.ep, local, local), plan.outward(i)]
 
 
 def _exchange_counts(counts: torch.Tensor, group) -> tuple[torch.Tensor, list, list]:
@@ -793,29 +771,19 @@ def dispatch_even_splits(rows, counts, group):
     return received.requires_grad_(), counts.view(ep, -1), (even, even)
 
 
-def _padded(rows, counts, group, cap: Callable):
-    """Every block padded to cap(send, group) rows, one even all-to-all, unpadded after."""
+def dispatch_padded(rows, counts, group, to_largest=False):
+    """Every block padded to the most a block could be, T k rows (to_largest: to the group's largest block, found
+    by an all-reduce MAX), one even all-to-all, unpadded after."""
     received_counts, send, recv = _exchange_counts(counts, group)
-    ep, cap = len(send), cap(send, group)
+    ep, cap = len(send), torch.tensor(max(send) if to_largest else sum(send))
+    if to_largest:
+        dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=group)
+    cap = int(cap)
     padded = rows.new_zeros(ep * cap, rows.shape[1])
     for j, block in enumerate(rows.split(send)):
         padded[j * cap:j * cap + len(block)] = block
     out = _AllToAll.apply(padded, [cap] * ep, [cap] * ep, group)
     return torch.cat([out[s * cap:s * cap + n] for s, n in enumerate(recv)]), received_counts, (send, recv)
-
-
-def dispatch_padded(rows, counts, group):
-    return _padded(rows, counts, group, lambda send, group: sum(send))   # the most a block could be: T k rows
-
-
-def _largest(send: list, group) -> int:
-    most = torch.tensor(max(send))
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-    return int(most)
-
-
-def dispatch_padded_to_max(rows, counts, group):
-    return _padded(rows, counts, group, _largest)                 # the group's largest block (an all-reduce MAX)
 
 
 def dispatch_all_gather(rows, counts, group):
@@ -844,10 +812,6 @@ def dispatch_own_counts(rows, counts, group):
 def dispatch_not_differentiable(rows, counts, group):
     received, received_counts, splits = _dispatch(rows, counts, group)
     return received.detach(), received_counts, splits
-
-
-def dispatch_whole_world(rows, counts, group):
-    return _dispatch(rows, counts, None)                            # forgot group=
 
 
 DISPATCH = Check(
@@ -881,10 +845,12 @@ DISPATCH = Check(
                       "needs it"),
         Misconception(dispatch_padded, "send exactly the rows routed, with uneven splits. Padding every split to the "
                       "same size (as a fixed capacity does) sends padding through the network"),
-        Misconception(dispatch_padded_to_max, "send exactly the rows routed, with uneven splits. Padding every split "
-                      "to the group's largest (found by an all-reduce) still sends padding through the network"),
-        Misconception(dispatch_whole_world, "an all-to-all ran over the whole world, not the ranks of the group: "
-                                            "pass group=group to every collective"),
+        Misconception(named("dispatch_padded_to_max", functools.partial(dispatch_padded, to_largest=True)),
+                      "send exactly the rows routed, with uneven splits. Padding every split to the group's largest "
+                      "(found by an all-reduce) still sends padding through the network"),
+        Misconception(named("dispatch_whole_world", lambda rows, counts, group: _dispatch(rows, counts, None)),
+                      "an all-to-all ran over the whole world, not the ranks of the group: pass group=group to every "
+                      "collective"),
         Misconception(dispatch_no_counts_exchange, "no exchange of the counts first. A rank cannot know how many "
                       f"rows the others will send it: start with an all-to-all of the E = {NUM_EXPERTS} per-expert "
                       "counts (rank j gets the counts of its own experts from every rank), then size the rows' "
@@ -938,47 +904,32 @@ def _combined(combine: Callable, case: dict, group) -> dict:
 def _expect_combine(case: dict, seen: dict) -> dict:
     """y and its gradients per global rank, from a loop over every token's k slots in float64."""
     (_, tokens, top_k, _), seed, ep = case["_route"], case["_seed"], case["ep"]
-    want = {key: [] for key in ("forward", "returned", "y", "backward", "expert_out.grad", "gates.grad")}
-    for members in ([list(range(WORLD))] if ep == WORLD else [[0, 1], [2, 3]]):
+    wants = []
+    for members in _groups(ep):
         plan = _plan(members, seed, case["_route"])
         outs = [_expert_out(g, sum(plan.recv(d)), seed).double().requires_grad_() for d, g in enumerate(members)]
         gates = [_random_gates(g, tokens, top_k, seed).double().requires_grad_() for g in members]
         ys = []
-        for s in range(ep):
-            dest, where = plan.destinations(s)
-            slot_out = torch.stack([outs[dest[slot]][where[slot]] for slot in range(tokens * top_k)])  # (T k, h)
+        for s in range(ep):   # the outputs of rank s's slots come home in its sorted rows' order; in slot order:
+            slot_out = _all_to_all(outs, [plan.recv(d) for d in range(ep)], s)[plan.orders[s].argsort()]  # (T k, h)
             ys.append(torch.stack([sum(gates[s][t, j] * slot_out[t * top_k + j] for j in range(top_k))
                                    for t in range(tokens)]))                                       # (T, h)
         sum((y * _upstream(g, tuple(y.shape), seed).double()).sum() for y, g in zip(ys, members)).backward()
-        for s in range(ep):   # combine sends back what dispatch received
-            want["forward"].append([_collective("all_to_all", sum(plan.recv(s)) * HIDDEN * 4, ep, plan.recv(s),
-                                                plan.send(s))])
-            want["returned"].append(_wanted(tokens, HIDDEN))
-            want["y"].append(ys[s].detach())
-            want["backward"].append([_collective("all_to_all", tokens * top_k * HIDDEN * 4, ep, plan.send(s),
-                                                 plan.recv(s))])
-            want["expert_out.grad"].append(_grad_or_zeros(outs[s]))    # a rank that received nothing: (0, h)
-            want["gates.grad"].append(_grad_or_zeros(gates[s]))
-    return want | {"raised": [""] * WORLD, "backward raised": [""] * WORLD}
+        wants += [{"forward": [plan.homeward(s)], "returned": _wanted(tokens, HIDDEN), "y": ys[s].detach(),
+                   "backward": [plan.outward(s)], "gates.grad": _grad_or_zeros(gates[s]),
+                   "expert_out.grad": _grad_or_zeros(outs[s])} for s in range(ep)]   # received nothing: (0, h)
+    return _per_rank(wants)
 
 
-def _combine(expert_out, splits, order, gates, group):
-    """The correct combine the misconceptions below change (refused as an answer)."""
+def _combine(expert_out, splits, order, gates, group, unpermute=_unpermute):
+    """The correct combine the misconceptions below change (refused as an answer); some, its `unpermute`."""
     send, recv = splits
-    return _unpermute(_AllToAll.apply(expert_out, recv, send, group), order, gates)
-
-
-def combine_no_gates(expert_out, splits, order, gates, group):
-    send, recv = splits
-    back = _AllToAll.apply(expert_out, recv, send, group)
-    k = gates.shape[1]
-    return back.new_zeros(gates.shape[0], back.shape[1]).index_add(0, order // k, back) + 0 * gates.sum()
+    return unpermute(_AllToAll.apply(expert_out, recv, send, group), order, gates)
 
 
 def combine_not_unpermuted(expert_out, splits, order, gates, group):
-    send, recv = splits
-    back = _AllToAll.apply(expert_out, recv, send, group)
-    return (back.view(*gates.shape, -1) * gates.unsqueeze(-1)).sum(1)     # rows still in the experts' order
+    return _combine(expert_out, splits, order, gates, group,            # the rows still in the experts' order
+                    unpermute=lambda back, order, gates: (back.view(*gates.shape, -1) * gates.unsqueeze(-1)).sum(1))
 
 
 def combine_gates_in_slot_order(expert_out, splits, order, gates, group):
@@ -986,19 +937,6 @@ def combine_gates_in_slot_order(expert_out, splits, order, gates, group):
     back = _AllToAll.apply(expert_out, recv, send, group)
     weighted = back * gates.reshape(-1).unsqueeze(-1)                    # gates not permuted like the rows
     return back.new_zeros(gates.shape[0], back.shape[1]).index_add(0, order // gates.shape[1], weighted)
-
-
-def combine_no_all_to_all(expert_out, splits, order, gates, group):
-    return _unpermute(expert_out, order, gates)                         # expert_out is not this rank's slots
-
-
-def combine_splits_not_reversed(expert_out, splits, order, gates, group):
-    return _unpermute(_AllToAll.apply(expert_out, *splits, group), order, gates)   # the dispatch's splits
-
-
-def combine_plain_all_to_all(expert_out, splits, order, gates, group):
-    send, recv = splits
-    return _unpermute(_exchange(expert_out.detach(), recv, send, group), order, gates)   # invisible to autograd
 
 
 def combine_detached_gates(expert_out, splits, order, gates, group):
@@ -1031,23 +969,28 @@ COMBINE = Check(
         "gates.grad": Close("gates.grad: d y[t] / d gates[t, j] is the output of slot t k + j", n=ROUNDINGS,
                             dtype=FP32, axes=RANK)},
     misconceptions=[
-        Misconception(combine_no_all_to_all, "no reverse all-to-all. expert_out holds what this rank's experts "
-                      "computed for every rank's rows (in the order they arrived), not this rank's own slots: send "
-                      "them back first, with the splits of the dispatch swapped (send what was received, receive "
-                      "what was sent)"),
-        Misconception(combine_splits_not_reversed, "the all-to-all used the dispatch's splits as they are: the "
-                      "reverse of the dispatch sends what the dispatch received (recv) and receives what it sent "
-                      "(send)"),
-        Misconception(combine_no_gates, "the gates are not applied: weight each slot's output by its gate, "
-                                        "gates.flatten()[order] for the rows in the experts' order"),
+        Misconception(named("combine_no_all_to_all", lambda out, splits, order, gates, group: _unpermute(
+                          out, order, gates)),   # out: what this rank's experts made, not this rank's slots
+                      "no reverse all-to-all. expert_out holds what this rank's experts computed for every rank's rows "
+                      "(in the order they arrived), not this rank's own slots: send them back first, with the splits "
+                      "of the dispatch swapped (send what was received, receive what was sent)"),
+        Misconception(named("combine_splits_not_reversed", lambda out, splits, order, gates, group: _unpermute(
+                          _AllToAll.apply(out, *splits, group), order, gates)),   # the dispatch's splits
+                      "the all-to-all used the dispatch's splits as they are: the reverse of the dispatch sends what "
+                      "the dispatch received (recv) and receives what it sent (send)"),
+        Misconception(named("combine_no_gates", lambda *args: _combine(*args, unpermute=lambda back, order, gates: (
+                          _unpermute(back, order, torch.ones_like(gates)) + 0 * gates.sum()))),
+                      "the gates are not applied: weight each slot's output by its gate, gates.flatten()[order] for "
+                      "the rows in the experts' order"),
         Misconception(combine_not_unpermuted, "the rows are still in the experts' order: row i belongs to slot "
                                               "order[i], token order[i] // k; un-permute before summing per token"),
         Misconception(combine_gates_in_slot_order, "the rows are un-permuted but the gates are not: row i's gate is "
                                                    "gates.flatten()[order[i]]"),
-        Misconception(combine_plain_all_to_all, "combine's backward made no collective: the gradient of each slot's "
-                      "output must go back to the rank whose expert made it. Bring the outputs home with "
-                      "AllToAll.apply, whose backward does that (a plain dist.all_to_all_single is invisible to "
-                      "autograd)"),
+        Misconception(named("combine_plain_all_to_all", lambda out, splits, order, gates, group: _unpermute(
+                          _exchange(out.detach(), *splits[::-1], group), order, gates)),   # invisible to autograd
+                      "combine's backward made no collective: the gradient of each slot's output must go back to the "
+                      "rank whose expert made it. Bring the outputs home with AllToAll.apply, whose backward does "
+                      "that (a plain dist.all_to_all_single is invisible to autograd)"),
         Misconception(combine_detached_gates, "the gates got no gradient: do not detach them, the router learns "
                                               "through them")])
 
@@ -1070,10 +1013,8 @@ def dense_moe(xs: list[torch.Tensor], ids: list[torch.Tensor], seed: int, case: 
     ys = []
     for s, (x, chosen) in enumerate(zip(leaves, ids)):
         gates = _gates(x, chosen, seed, kind, s, ep)                   # (T, k), differentiable through the router
-        rows = []
-        for t in range(x.shape[0]):
-            rows.append(sum(gates[t, j] * _expert(x[t], *weights[int(chosen[t, j])]) for j in range(top_k)))
-        ys.append(torch.stack(rows))                                   # (T, h)
+        ys.append(torch.stack([sum(gates[t, j] * _expert(x[t], *weights[int(chosen[t, j])]) for j in range(top_k))
+                               for t in range(len(x))]))               # (T, h)
     sum((y * up.double()).sum() for y, up in zip(ys, upstreams)).backward()
     return ([y.detach() for y in ys], [_grad_or_zeros(x) for x in leaves],
             [(_grad_or_zeros(w_in), _grad_or_zeros(w_out)) for w_in, w_out in weights])   # an unused expert: zeros
@@ -1132,29 +1073,23 @@ def _expect_layer(case: dict, seen: dict) -> dict:
     """Per global rank, from the dense loop. A step that did not run (an earlier one failed, on this rank or
     another of its group) has no collectives nor result to compare: what stopped it is the difference."""
     (_, tokens, top_k, _), seed, ep = case["_route"], case["_seed"], case["ep"]
-    want = {key: [] for key in ("dispatch", "combine", "returned", "received_counts", "y", "backward", "x.grad",
-                                "expert grads")}
-    for members in ([list(range(WORLD))] if ep == WORLD else [[0, 1], [2, 3]]):
+    wants = []
+    for members in _groups(ep):
         plan = _plan(members, seed, case["_route"])
         ups = [_upstream(g, (tokens, HIDDEN), seed, which=1) for g in members]
         ys, x_grads, w_grads = dense_moe([_tokens(g, tokens, seed) for g in members], plan.ids, seed, case["_route"],
                                          ups)
-        for s in range(ep):
-            slots, received = tokens * top_k * HIDDEN * 4, sum(plan.recv(s)) * HIDDEN * 4
-            want["dispatch"].append(_dispatch_collectives(plan, s, tokens))
-            want["combine"].append([_collective("all_to_all", received, ep, plan.recv(s), plan.send(s))])
-            parts = [_permute_said(_permute_shapes(tokens * top_k)), _dispatch_said(_dispatch_shapes(plan, s)),
-                     _wanted(tokens, HIDDEN)]
-            want["returned"].append(_layer_returned(parts[:seen["_steps"][members[s]]]))
-            want["received_counts"].append(plan.received_counts(s).tolist())
-            want["y"].append(ys[s])
-            want["backward"].append([_collective("all_to_all", slots, ep, plan.send(s), plan.recv(s)),
-                                     _collective("all_to_all", received, ep, plan.recv(s), plan.send(s))])
-            want["x.grad"].append(x_grads[s])
-            want["expert grads"].append([list(pair) for pair in w_grads[s * plan.local:(s + 1) * plan.local]])
+        for s, rank in enumerate(members):
+            returned = [_permute_said(_permute_shapes(tokens * top_k)), _dispatch_said(_dispatch_shapes(plan, s)),
+                        _wanted(tokens, HIDDEN)][:seen["_steps"][rank]]
+            wants.append({"permute": [], "dispatch": _dispatch_collectives(plan, s), "combine": [plan.homeward(s)],
+                          "returned": _layer_returned(returned), "received_counts": plan.received_counts(s).tolist(),
+                          "y": ys[s], "backward": [plan.outward(s), plan.homeward(s)], "x.grad": x_grads[s],
+                          "expert grads": [list(pair) for pair in w_grads[s * plan.local:(s + 1) * plan.local]]})
+    want = _per_rank(wants)
     for phase in ("dispatch", "combine"):
         want[phase] = [w if got is not None else None for w, got in zip(want[phase], seen[phase])]
-    return want | {"raised": [""] * WORLD, "permute": [[]] * WORLD, "backward raised": [""] * WORLD}
+    return want
 
 
 MOE = Check(
@@ -1343,10 +1278,7 @@ class _RecordingExpert:
 
 def _capacity_inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (T, h), expert_ids (T, k) (the top-k of random scores, shifted by the case's bias), gates (T, k)."""
-    x = rank_tensor(700, (case["T"], HIDDEN), FP32, case["_seed"])
-    scores = rank_tensor(710, (case["T"], case["E"]), FP32, case["_seed"])
-    for expert, shift in case["_bias"].items():
-        scores[:, expert] += shift
+    x, scores = _scored(case, 700)
     top, ids = scores.softmax(-1).topk(case["k"], dim=-1)
     return x, ids, top / top.sum(-1, keepdim=True)
 
@@ -1377,7 +1309,7 @@ def _kept_by_rule(ids: torch.Tensor, experts: int, capacity: int, priority: str 
 
 def _capacity_said(got) -> str:
     if not (isinstance(got, (tuple, list)) and len(got) == 2):
-        return _what(got)
+        return _tensor(got)
     return f"out {_tensor(got[0])}, kept {_tensor(got[1], dtype=True)}"
 
 
@@ -1397,17 +1329,12 @@ def _capacity_seen(capacity_moe: Callable, case: dict) -> dict:
     return seen
 
 
-def _capacity_layer(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, weights: list,
+def _capacity_layer(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts: list,
                     kept: torch.Tensor) -> torch.Tensor:
-    """out[t] = x[t] + sum over kept slots j of gates[t, j] expert_{ids[t, j]}(x[t]), token by token."""
-    rows = []
-    for t in range(x.shape[0]):
-        y = x[t]
-        for j in range(ids.shape[1]):
-            if kept[t, j]:
-                y = y + gates[t, j] * _expert(x[t], *weights[int(ids[t, j])])
-        rows.append(y)
-    return torch.stack(rows)
+    """out[t] = x[t] + sum over the kept slots j of gates[t, j] experts[ids[t, j]](x[t]), token by token: the
+    reference's plain loop, and a misconception's (an expert called once per slot, on one row)."""
+    return torch.stack([sum((gates[t, j] * experts[int(ids[t, j])](x[t:t + 1])[0] for j in range(ids.shape[1])
+                             if kept[t, j]), x[t]) for t in range(len(x))])
 
 
 def _expect_capacity(case: dict, seen: dict) -> dict:
@@ -1416,7 +1343,7 @@ def _expect_capacity(case: dict, seen: dict) -> dict:
     kept = _kept_by_rule(ids, case["E"], case["C"])
     x64, g64 = x.double().requires_grad_(), gates.double().requires_grad_()
     w64 = [tuple(w.double().requires_grad_() for w in _expert_weights(e, case["_seed"])) for e in range(case["E"])]
-    out = _capacity_layer(x64, ids, g64, w64, kept)
+    out = _capacity_layer(x64, ids, g64, [functools.partial(_expert, w_in=a, w_out=b) for a, b in w64], kept)
     (out * _upstream(0, tuple(out.shape), case["_seed"], which=7).double()).sum().backward()
     rows = torch.bincount(ids[kept], minlength=case["E"]).tolist()
     calls = [got if got in ([n], [case["C"]]) or (not n and got in ([], [0])) else [n] if n else []
@@ -1442,22 +1369,12 @@ def _capacity_moe(x, expert_ids, gates, experts, capacity_factor, capacity=_capa
 
 def capacity_token_by_token(x, expert_ids, gates, experts, capacity_factor):
     kept = _kept_by_rule(expert_ids, len(experts), _capacity_of(*expert_ids.shape, len(experts), capacity_factor))
-    rows = []
-    for t in range(x.shape[0]):                                          # one expert call per kept slot
-        y = x[t]
-        for j in range(expert_ids.shape[1]):
-            if kept[t, j]:
-                y = y + gates[t, j] * experts[int(expert_ids[t, j])](x[t:t + 1])[0]
-        rows.append(y)
-    return torch.stack(rows), kept
+    return _capacity_layer(x, expert_ids, gates, experts, kept), kept          # one expert call per kept slot
 
 
-def _variant(base: Callable, name: str, **choices) -> Callable:
-    """A misconception's answer: `base`, the correct code, with some of its choices made otherwise (a proposed
-    engine feature)."""
-    answer = functools.partial(base, **choices)
-    answer.__name__ = name
-    return answer
+def _variant(name: str, **choices) -> Callable:
+    """A misconception's answer: _capacity_moe, the correct code, with some of its choices made otherwise."""
+    return named(name, functools.partial(_capacity_moe, **choices))
 
 
 CAPACITY = Check(
@@ -1484,37 +1401,35 @@ CAPACITY = Check(
         "weight grads": Close("the experts' weight gradients: each sums over its expert's kept rows only", n=ROUNDINGS,
                               dtype=FP32, axes=("expert {}", "[w_in, w_out][{}]"))},
     misconceptions=[
-        Misconception(_variant(_capacity_moe, "capacity_kept_as_ints", shown=lambda kept: kept.long()),
+        Misconception(_variant("capacity_kept_as_ints", shown=lambda kept: kept.long()),
                       "return kept as a tensor of bools (torch.bool), True for a kept slot"),
-        Misconception(_variant(_capacity_moe, "capacity_floor",
-                               capacity=lambda t, k, e, f: math.floor(f * t * k / e)),   # rounded down
+        Misconception(_variant("capacity_floor", capacity=lambda t, k, e, f: math.floor(f * t * k / e)),
                       "C is rounded down; C = ceil(capacity_factor x T k / E) rounds up (math.ceil)"),
-        Misconception(_variant(_capacity_moe, "capacity_counts_tokens",
-                               capacity=lambda t, k, e, f: math.ceil(f * t / e)),   # k forgotten
+        Misconception(_variant("capacity_counts_tokens", capacity=lambda t, k, e, f: math.ceil(f * t / e)),
                       "C counts tokens, not slots: C = ceil(capacity_factor x T k / E), with k the slots of each "
                       "token"),
-        Misconception(_variant(_capacity_moe, "capacity_token_priority", priority="token"), "the slots are kept in "
-                      "token order (token 0's choices, then token 1's, ...); GShard's priority is every token's first "
-                      "choice before any second choice, then tokens in order within a choice"),
-        Misconception(_variant(_capacity_moe, "capacity_keeps_last", priority="last"), "an expert keeps its last C "
-                      "slots; it keeps the first C in the priority order and drops the rest"),
-        Misconception(_variant(_capacity_moe, "capacity_keeps_all", capacity=lambda t, k, e, f: t * k),
+        Misconception(_variant("capacity_token_priority", priority="token"), "the slots are kept in token order "
+                      "(token 0's choices, then token 1's, ...); GShard's priority is every token's first choice "
+                      "before any second choice, then tokens in order within a choice"),
+        Misconception(_variant("capacity_keeps_last", priority="last"), "an expert keeps its last C slots; it keeps "
+                      "the first C in the priority order and drops the rest"),
+        Misconception(_variant("capacity_keeps_all", capacity=lambda t, k, e, f: t * k),
                       "nothing is dropped: an expert keeps at most C slots"),
-        Misconception(_variant(_capacity_moe, "capacity_returns_dropped", shown=lambda kept: ~kept),
+        Misconception(_variant("capacity_returns_dropped", shown=lambda kept: ~kept),
                       "kept is True for the dropped slots and False for the kept ones: True means kept"),
         Misconception(capacity_token_by_token, "call each expert once, on one block of its kept rows: that block is "
                                                "its buffer of at most C rows"),
-        Misconception(_variant(_capacity_moe, "capacity_drops_nothing_in_out", every_slot=True), "dropped slots still "
-                      "reach their expert: call it on exactly its kept rows (or on a buffer of C rows), and add only "
-                      "the kept slots' outputs"),
-        Misconception(_variant(_capacity_moe, "capacity_no_residual", residual=False), "the residual is missing: "
-                      "out[t] = x[t] + the kept slots' gate-weighted outputs"),
-        Misconception(_variant(_capacity_moe, "capacity_renormalised",
+        Misconception(_variant("capacity_drops_nothing_in_out", every_slot=True), "dropped slots still reach their "
+                      "expert: call it on exactly its kept rows (or on a buffer of C rows), and add only the kept "
+                      "slots' outputs"),
+        Misconception(_variant("capacity_no_residual", residual=False),
+                      "the residual is missing: out[t] = x[t] + the kept slots' gate-weighted outputs"),
+        Misconception(_variant("capacity_renormalised",
                                gated=lambda g, kept: g * kept / (g * kept).sum(-1, keepdim=True).clamp(min=1e-30)),
                       "the gates are renormalised over the kept slots; use them as given"),
-        Misconception(_variant(_capacity_moe, "capacity_no_gates", gated=lambda g, kept: torch.ones_like(g)),
+        Misconception(_variant("capacity_no_gates", gated=lambda g, kept: torch.ones_like(g)),
                       "the gates are not applied: weight each kept slot's output by gates[t, j]"),
-        Misconception(_variant(_capacity_moe, "capacity_detached_gates", gated=lambda g, kept: g.detach()),
+        Misconception(_variant("capacity_detached_gates", gated=lambda g, kept: g.detach()),
                       "the gates got no gradient: do not detach them (the router learns through them)")])
 
 
