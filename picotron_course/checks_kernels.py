@@ -1,7 +1,8 @@
 """The checks of assignment 09: a fused row-softmax kernel, an RMSNorm forward kernel, an online softmax for rows
 longer than one block and (the stretch) the FlashAttention forward, in Triton, declared on the course's engine
 (picotron_course.engine). The misconceptions before each check are wrong kernels learners write, with the hint each
-should read.
+should read: each is a thin kernel that calls the check's base kernel (the right one, written once) with its MISTAKE,
+a constexpr the compiler resolves, so a record's Triton IR holds only its own mistake.
 
 Each check launches the learner's @triton.jit kernel itself, on inputs chosen to catch the usual slips, and
 compares with plain torch math done here in float64 (never with picotron.kernels, the code the assignment
@@ -62,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from picotron import tolerance
-from picotron_course.engine import Check, Close, Exact, Misconception, Quantity, Said, per_case
+from picotron_course.engine import AtMost, Check, Close, Exact, Misconception, Said, per_case
 from picotron.kernels.runtime import INTERPRETED, TRITON, kernel_device   # interpreter or compiler, before any kernel
 if TRITON:   # after the runtime chose the interpreter or the compiler
     import triton
@@ -246,53 +247,45 @@ def _block(n_cols: int) -> int:
 
 # ---- softmax: the misconceptions, wrong kernels learners write --------------------------------------------------
 @jit
-def softmax_no_max(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """exp(x) / sum exp(x): right in exact arithmetic, overflows for large scores."""
+def _softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
+    """softmax_kernel, right when MISTAKE is "", else with that mistake."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-    e = tl.exp(x)
-    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    if MISTAKE == "one_stride":                   # rows addressed as row * n_cols: right only when contiguous
+        x_row_stride, out_row_stride = n_cols, n_cols
+    x_row = x_ptr if MISTAKE == "first_row" else x_ptr + row * x_row_stride    # program_id forgotten in the load
+    padding = 0.0 if MISTAKE == "pads_with_zero" else float("-inf")           # 0: each adds exp(-max) to the sum
+    x = tl.load(x_row + cols, mask=cols < n_cols, other=padding).to(tl.float32)
+    e = tl.exp(x) if MISTAKE == "no_max" else tl.exp(x - tl.max(x, axis=0))  # no max: exp(2000) overflows
+    if MISTAKE == "unmasked_store":               # all BLOCK lanes written: past the end of the row
+        tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0))
+    else:
+        tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+
+
+@jit
+def softmax_no_max(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    _softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "no_max")
 
 
 @jit
 def softmax_pads_with_zero(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Padding lanes read 0 instead of -inf: each adds exp(-max) to the sum."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=0))
-    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    _softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "pads_with_zero")
 
 
 @jit
 def softmax_one_stride(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Rows addressed as row * n_cols: right only for contiguous tensors."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=0))
-    tl.store(out_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    _softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "one_stride")
 
 
 @jit
 def softmax_unmasked_store(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """The store writes all BLOCK lanes: past the end of the row, into the next one."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=0))
-    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0))
+    _softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "unmasked_store")
 
 
 @jit
 def softmax_of_first_row(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Every program reads row 0 (program_id forgotten in the load)."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=0))
-    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    _softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "first_row")
 
 
 # ---- softmax, declared on the engine (picotron_course.engine) ------------------------------------------
@@ -318,28 +311,29 @@ def _softmax_case(seed: int, name, rows, n_cols, dtype, stride, padding, make) -
             "row strides": (x.stride(0), n_cols + padding), "_x": x, "_padding": padding}
 
 
+def _observe(run: Callable) -> Callable:
+    """observe(answers, cases) from run(kernel, case) -> what the kernel did on the case: {"raised": ""} and run's
+    observations, or what it raised (a crash is a failed case, shown in the table; an unsolved kernel's
+    NotImplementedError goes through)."""
+    def observed(kernel, case: dict) -> dict:
+        try:
+            return {"raised": "", **run(kernel, case)}
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a crash is a failed case, shown in the table
+            return {"raised": _first_line(e)}
+    return lambda answers, cases: [[observed(kernel, case) for case in cases] for kernel in answers]
+
+
 def _observe_rows(run: Callable) -> Callable:
     """observe(answers, cases) for a kernel with one program per row: what it raised, its output (and what
-    run(kernel, case, out) returns: rstd), and how many values outside the rows it overwrote."""
-    def observe(answers: list, cases: list) -> list:
-        observed = []
-        for kernel in answers:
-            seen = []
-            for case in cases:
-                buffer, out = _output_buffer(*case["shape"], case["_padding"], case["dtype"])
-                try:
-                    more = run(kernel, case, out)
-                except NotImplementedError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - a crash is a failed case, shown in the table
-                    seen.append({"raised": _first_line(e)})
-                    continue
-                y = out.cpu()
-                seen.append({"raised": "", "NaN": int(y.isnan().sum()), "y": y, **more,
-                             "outside": _outside_touched(buffer, out)})
-            observed.append(seen)
-        return observed
-    return observe
+    run(kernel, case, out) returns: rstd, traffic), and how many values outside the rows it overwrote."""
+    def rows(kernel, case: dict) -> dict:
+        buffer, out = _output_buffer(*case["shape"], case["_padding"], case["dtype"])
+        more = run(kernel, case, out)
+        y = out.cpu()
+        return {"NaN": int(y.isnan().sum()), "y": y, **more, "outside": _outside_touched(buffer, out)}
+    return _observe(rows)
 
 
 def _run_softmax(kernel, case: dict, out: torch.Tensor) -> dict:
@@ -378,83 +372,63 @@ def check_softmax_kernel(softmax_kernel) -> None:
 
 # ---- RMSNorm: the misconceptions ------------------------------------------------------------------
 @jit
-def rmsnorm_mean_over_block(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
-                            BLOCK: tl.constexpr):
-    """Mean of squares divided by BLOCK (the padded width) instead of n_cols."""
+def _rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr,
+             MISTAKE: tl.constexpr):
+    """rmsnorm_kernel, right when MISTAKE is "", else with that mistake. The mistakes about rstd (and the missing
+    weight) also leave x * rstd unrounded to x's dtype, as the learners who make them write it."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / BLOCK + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, x * rstd * w, mask=inside)
-    tl.store(rstd_ptr + row, rstd)
+    mean = tl.sum(x * x, axis=0) / (BLOCK if MISTAKE == "mean_over_block" else n_cols)   # BLOCK: the padded width
+    if MISTAKE != "no_eps":
+        mean = mean + eps
+    rstd = tl.sqrt(mean) if MISTAKE == "std_not_rstd" else tl.rsqrt(mean)   # sqrt: multiplies by the rms
+    normed = x * rstd
+    if MISTAKE == "" or MISTAKE == "forgets_rstd" or MISTAKE == "input_stride_for_output":
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if MISTAKE != "no_weight":
+        normed = normed * tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    if MISTAKE == "input_stride_for_output":      # output rows written with the input's row stride
+        out_row_stride = x_row_stride
+    tl.store(out_ptr + row * out_row_stride + cols, normed, mask=inside)
+    if MISTAKE != "forgets_rstd":                 # backward's rstd never stored
+        tl.store(rstd_ptr + row, rstd)
+
+
+@jit
+def rmsnorm_mean_over_block(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
+                            BLOCK: tl.constexpr):
+    _rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK, "mean_over_block")
 
 
 @jit
 def rmsnorm_no_eps(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, x * rstd * w, mask=inside)
-    tl.store(rstd_ptr + row, rstd)
+    _rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK, "no_eps")
 
 
 @jit
 def rmsnorm_no_weight(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(out_ptr + row * out_row_stride + cols, x * rstd, mask=inside)
-    tl.store(rstd_ptr + row, rstd)
+    _rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK, "no_weight")
 
 
 @jit
 def rmsnorm_forgets_rstd(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
                          BLOCK: tl.constexpr):
-    """Right output, but backward's rstd is never stored."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, normed * w, mask=inside)
+    _rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK, "forgets_rstd")
 
 
 @jit
 def rmsnorm_std_not_rstd(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
                          BLOCK: tl.constexpr):
-    """Multiplies by the root mean square instead of dividing by it."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
-    rms = tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, x * rms * w, mask=inside)
-    tl.store(rstd_ptr + row, rms)
+    _rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK, "std_not_rstd")
 
 
 @jit
 def rmsnorm_input_stride_for_output(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps,
                                     BLOCK: tl.constexpr):
-    """Writes output rows with the input's row stride."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * x_row_stride + cols, normed * w, mask=inside)
-    tl.store(rstd_ptr + row, rstd)
+    _rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK,
+             "input_stride_for_output")
 
 
 # ---- RMSNorm, declared on the engine ------------------------------------------------------------------
@@ -518,211 +492,132 @@ def check_rmsnorm_kernel(rmsnorm_kernel) -> None:
 
 # ---- online softmax: the misconceptions ------------------------------------------------
 @jit
-def online_nan_after_masked_block(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """No care for a block of only -inf: exp(m - new_m) = exp(-inf - (-inf)) = nan."""
+def _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr,
+                    MISTAKE: tl.constexpr):
+    """online_softmax_kernel, right when MISTAKE is "" (the running max is shifted by 0 while it is -inf), else
+    with that mistake."""
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = float("-inf")
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
-                    other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
-        m = new_m
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=inside)
+    if MISTAKE == "contiguous_rows":              # rows addressed as row * n_cols: right only when contiguous
+        x_row_stride, out_row_stride = n_cols, n_cols
+    if MISTAKE == "one_big_block":                # BLOCK ignored: the whole row (up to 8192 columns) at once
+        cols = tl.arange(0, 8192)
+        inside = cols < n_cols
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        e = tl.exp(x - tl.max(x, axis=0))
+        y = e / tl.sum(e, axis=0)
+        tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        cols = tl.arange(0, BLOCK)
+        # a finite start hides the NaN of a first block of only -inf, which these mistakes are not about
+        m = -1e38 if MISTAKE == "no_rescale" or MISTAKE == "rescale_inverted" or MISTAKE == "store_then_fix" \
+            else float("-inf")
+        total = 0.0
+        if MISTAKE == "lanes_from_minus_inf":     # a running max per lane started at -inf: a lane of only -inf is nan
+            m = tl.full([BLOCK], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            inside = (cols if MISTAKE == "unmasked_tail" else start + cols) < n_cols   # cols: the tail runs over
+            x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            if MISTAKE == "no_max":                   # exp(x) summed: overflows for large scores
+                total += tl.sum(tl.exp(x), axis=0)
+            elif MISTAKE == "three_passes":           # the max only: the sum takes a pass of its own
+                m = tl.maximum(m, tl.max(x, axis=0))
+            elif MISTAKE == "no_rescale":             # the old sum kept against a smaller max
+                m = tl.maximum(m, tl.max(x, axis=0))
+                total = total + tl.sum(tl.exp(x - m), axis=0)
+            elif MISTAKE == "lanes_from_minus_inf":
+                new_m = tl.maximum(m, x)
+                total = total * tl.exp(m - new_m) + tl.exp(x - new_m)
+                m = new_m
+            else:
+                new_m = tl.maximum(m, tl.max(x, axis=0))
+                if MISTAKE == "rescale_inverted":     # exp(new_m - m), capped to stay finite
+                    total = total * tl.exp(tl.minimum(new_m - m, 80.0)) + tl.sum(tl.exp(x - new_m), axis=0)
+                elif MISTAKE == "nan_after_masked_block" or MISTAKE == "store_then_fix":   # no care for m = -inf
+                    total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+                else:
+                    shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+                    total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+                m = new_m
+                if MISTAKE == "store_then_fix":       # exp(x - running max) stored now, re-read and fixed later
+                    tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m), mask=inside)
+        if MISTAKE == "three_passes":
+            for start in range(0, n_cols, BLOCK):
+                x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
+                            other=float("-inf")).to(tl.float32)
+                total += tl.sum(tl.exp(x - m), axis=0)
+        if MISTAKE == "lanes_from_minus_inf":         # the lanes merged into the row's max and sum
+            row_m = tl.max(m, axis=0)
+            total = tl.sum(total * tl.exp(m - row_m), axis=0)
+            m = row_m
+        for start in range(0, n_cols, BLOCK):
+            inside = (cols if MISTAKE == "unmasked_tail" else start + cols) < n_cols
+            if MISTAKE == "store_then_fix":
+                e = tl.load(out_ptr + row * out_row_stride + start + cols, mask=inside, other=0.0)
+            x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            y = tl.exp(x) / total if MISTAKE == "no_max" else tl.exp(x - m) / total
+            if MISTAKE == "store_then_fix":
+                y = y + 0.0 * e
+            tl.store(out_ptr + row * out_row_stride + start + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@jit
+def online_nan_after_masked_block(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "nan_after_masked_block")
 
 
 @jit
 def online_no_rescale(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Adds each block's exp(x - new_m) to a sum taken against older, smaller maxima, without rescaling it."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = -1e38
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
-                    other=float("-inf")).to(tl.float32)
-        m = tl.maximum(m, tl.max(x, axis=0))
-        total = total + tl.sum(tl.exp(x - m), axis=0)
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "no_rescale")
 
 
 @jit
 def online_rescale_inverted(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Rescales the old sum by exp(new_m - m) instead of exp(m - new_m)."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = -1e38
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
-                    other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        total = total * tl.exp(tl.minimum(new_m - m, 80.0)) + tl.sum(tl.exp(x - new_m), axis=0)
-        m = new_m
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "rescale_inverted")
 
 
 @jit
 def online_three_passes(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Right, but not online: the max, then the sum, then the write: three reads of the row."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = float("-inf")
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
-                    other=float("-inf")).to(tl.float32)
-        m = tl.maximum(m, tl.max(x, axis=0))
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
-                    other=float("-inf")).to(tl.float32)
-        total += tl.sum(tl.exp(x - m), axis=0)
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "three_passes")
 
 
 @jit
 def online_store_then_fix(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Right, but writes twice: stores exp(x - running max) in the first pass, then re-reads and rescales it."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = -1e38
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
-        m = new_m
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m), mask=inside)
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        e = tl.load(out_ptr + row * out_row_stride + start + cols, mask=inside, other=0.0)
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total + 0.0 * e, mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "store_then_fix")
 
 
 @jit
 def online_one_big_block(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Ignores BLOCK: the whole row (up to 8192 columns) in one block, as softmax_kernel does."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, 8192)
-    inside = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=0))
-    y = e / tl.sum(e, axis=0)
-    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "one_big_block")
 
 
 @jit
 def online_unmasked_tail(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Masks with cols < n_cols instead of start + cols < n_cols: the ragged last block reads and writes past the
-    row."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = float("-inf")
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
-        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        m = new_m
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - m) / total, mask=cols < n_cols)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "unmasked_tail")
 
 
 @jit
 def online_lanes_from_minus_inf(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Per-lane running max started at -inf: a lane that has seen only -inf (padding, masked scores) turns nan."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
-                    other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, x)
-        total = total * tl.exp(m - new_m) + tl.exp(x - new_m)
-        m = new_m
-    row_m = tl.max(m, axis=0)
-    row_total = tl.sum(total * tl.exp(m - row_m), axis=0)
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x - row_m) / row_total, mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "lanes_from_minus_inf")
 
 
 @jit
 def online_no_max(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """One running sum of exp(x), no max: right in exact arithmetic, overflows for large scores."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
-                    other=float("-inf")).to(tl.float32)
-        total += tl.sum(tl.exp(x), axis=0)
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * out_row_stride + start + cols, tl.exp(x) / total, mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "no_max")
 
 
 @jit
 def online_contiguous_rows(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """Rows addressed as row * n_cols: right only for contiguous tensors."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = float("-inf")
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * n_cols + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
-        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        m = new_m
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + start + cols, tl.exp(x - m) / total, mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "contiguous_rows")
 
 
 # ---- online softmax, declared on the engine ---------------------------------------------------------------
-@dataclass(frozen=True)
-class AtMost(Quantity):
-    """A number no larger than the expected one, a budget; `rule` says, after the number, what the budget is."""
-    rule: str = ""
-
-    def equal(self, got, want) -> bool:
-        return isinstance(got, (int, float)) and got <= want
-
-    def shown(self, got, want) -> str:
-        if not isinstance(got, (int, float)):
-            return super().shown(got, want)
-        return self.rule.format(got=got, want=want)
-
-
 def _online_case(seed: int, name, rows, n_cols, block, dtype, stride, padding, make) -> dict:
-    x = _data(rows, n_cols, dtype, stride, "randn" if make == "first block masked" else make, 200 + seed)
-    if make == "first block masked":
-        x[:, :block] = float("-inf")          # a row that starts with masked keys (a padded prompt)
-    return {"case": name, "shape": (rows, n_cols), "dtype": dtype, "row strides": (x.stride(0), n_cols + padding),
-            "_x": x, "_padding": padding, "_block": block}
+    masked = make == "first block masked"
+    case = _softmax_case(200 + seed, name, rows, n_cols, dtype, stride, padding, "randn" if masked else make)
+    if masked:
+        case["_x"][:, :block] = float("-inf")        # a row that starts with masked keys (a padded prompt)
+    return {**case, "_block": block}
 
 
 def _run_online(kernel, case: dict, out: torch.Tensor) -> dict:
@@ -832,22 +727,63 @@ def _tile(ptr, head, head_stride, row_stride, first, seq_len, head_dim, ROWS: tl
 
 
 @jit
-def _step(acc, l, m, q, k, v, cols, rows, seq_len, scale, CAUSAL: tl.constexpr):
-    """One key block folded into (acc, l, m), as ref_flash_attention does it."""
-    s = tl.dot(q, tl.trans(k)) * scale
+def _scores(q, k, cols, rows, seq_len, scale, CAUSAL: tl.constexpr):
+    """q k^T scale, -inf where a key is past seq_len or (causal) after the query."""
     visible = cols[None, :] < seq_len
     if CAUSAL:
         visible = visible & (cols[None, :] <= rows[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    return acc * alpha[:, None] + tl.dot(p, v), l * alpha + tl.sum(p, axis=1), m_new
+    return tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
 
 
 @jit
-def _finish(o_ptr, lse_ptr, acc, l, lse, head, rows, seq_len, head_dim, o_head_stride, o_row_stride,
-            BLOCK_D: tl.constexpr):
+def _step(acc, l, m, q, k, v, cols, rows, seq_len, scale, CAUSAL: tl.constexpr, MISTAKE: tl.constexpr):
+    """One key block folded into (acc, l, m): the online softmax, rescaling l and acc as the max rises."""
+    s = _scores(q, k, cols, rows, seq_len, scale, CAUSAL)
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    if MISTAKE == "no_rescale":                   # the output so far not rescaled when the max rises (l is)
+        acc = acc + tl.dot(p, v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    return acc, l * alpha + tl.sum(p, axis=1), m_new
+
+
+@jit
+def _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, MISTAKE: tl.constexpr):
+    """flash_attention_kernel, right when MISTAKE is "", else with that mistake."""
+    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    if MISTAKE == "rows_head_dim_apart":          # right only for contiguous q, k, v
+        head_stride, row_stride = seq_len * head_dim, head_dim
+    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if MISTAKE == "whole_rows_of_scores":         # not tiled: every key (up to 128) in one go
+        k = _tile(k_ptr, head, head_stride, row_stride, 0, seq_len, head_dim, 128, BLOCK_D)
+        v = _tile(v_ptr, head, head_stride, row_stride, 0, seq_len, head_dim, 128, BLOCK_D)
+        acc, l, m = _step(acc, l, m, q, k, v, tl.arange(0, 128), rows, seq_len, scale, CAUSAL, MISTAKE)
+    else:
+        KEYS: tl.constexpr = 2 * BLOCK_N if MISTAKE == "double_key_tiles" else BLOCK_N   # double: 2 tiles a load
+        # every key block, causal or not: the masked ones above the diagonal computed too
+        hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL and MISTAKE != "causal_computes_every_block" \
+            else seq_len
+        if MISTAKE == "two_passes":               # not online: a first pass over K finds each row's max
+            for start_n in range(0, hi, BLOCK_N):
+                k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
+                s = _scores(q, k, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
+                m = tl.maximum(m, tl.max(s, axis=1))
+        for start_n in range(0, hi, KEYS):
+            k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, KEYS, BLOCK_D)
+            v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, KEYS, BLOCK_D)
+            cols = start_n + tl.arange(0, KEYS)
+            if MISTAKE == "diagonal_excluded":    # causal mask cols < rows: a query does not see its own key
+                cols = cols + CAUSAL
+            acc, l, m = _step(acc, l, m, q, k, v, cols, rows, seq_len, scale, CAUSAL, MISTAKE)
+    lse = m if MISTAKE == "stores_the_max" else m + tl.log(l)      # the max: without log l
     dims = tl.arange(0, BLOCK_D)
     tl.store(o_ptr + head * o_head_stride + rows[:, None] * o_row_stride + dims[None, :], acc / l[:, None],
              mask=(rows[:, None] < seq_len) & (dims[None, :] < head_dim))
@@ -858,165 +794,64 @@ def _finish(o_ptr, lse_ptr, acc, l, lse, head, rows, seq_len, head_dim, o_head_s
 def flash_causal_computes_every_block(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride,
                                       row_stride, o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Right values, but causal or not the loop runs over every key block: the masked ones are computed too."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, seq_len, BLOCK_N):
-        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
-    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "causal_computes_every_block")
 
 
 @jit
 def flash_two_passes(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
                      o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Right values, not online: a first pass over K finds each row's max, a second sums and multiplies by V."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
-    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
-        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        cols = start_n + tl.arange(0, BLOCK_N)
-        visible = cols[None, :] < seq_len
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None])
-        m = tl.maximum(m, tl.max(tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf")), axis=1))
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
-        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
-    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "two_passes")
 
 
 @jit
 def flash_double_key_tiles(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
                            o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Right values, but K and V come 2 x BLOCK_N keys a load."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, hi, 2 * BLOCK_N):
-        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, 2 * BLOCK_N, BLOCK_D)
-        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, 2 * BLOCK_N, BLOCK_D)
-        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, 2 * BLOCK_N), rows, seq_len, scale, CAUSAL)
-    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "double_key_tiles")
 
 
 @jit
 def flash_whole_rows_of_scores(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
                                o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Right values up to 128 keys, not tiled: every key in one go, a (BLOCK_M, 128) row of scores per query."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
-    k = _tile(k_ptr, head, head_stride, row_stride, 0, seq_len, head_dim, 128, BLOCK_D)
-    v = _tile(v_ptr, head, head_stride, row_stride, 0, seq_len, head_dim, 128, BLOCK_D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    acc, l, m = _step(tl.zeros([BLOCK_M, BLOCK_D], tl.float32), tl.zeros([BLOCK_M], tl.float32), m, q, k, v,
-                      tl.arange(0, 128), rows, seq_len, scale, CAUSAL)
-    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "whole_rows_of_scores")
 
 
 @jit
 def flash_stores_the_max(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
                          o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Right O, but the lse it stores is the row max m, without log l."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, hi, BLOCK_N):
-        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
-    _finish(o_ptr, lse_ptr, acc, l, m, head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "stores_the_max")
 
 
 @jit
 def flash_no_rescale(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
                      o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The output so far is not rescaled when a key block raises the max (l is)."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        visible = cols[None, :] < seq_len
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None])
-        s = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        l = l * tl.exp(m - m_new) + tl.sum(p, axis=1)
-        acc = acc + tl.dot(p, v)
-        m = m_new
-    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "no_rescale")
 
 
 @jit
 def flash_diagonal_excluded(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
                             o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Causal mask cols < rows: a query does not see its own key (and row 0 sees nothing: NaN)."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(q_ptr, head, head_stride, row_stride, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, hi, BLOCK_N):
-        k = _tile(k_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        v = _tile(v_ptr, head, head_stride, row_stride, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N) + CAUSAL, rows, seq_len, scale,
-                          CAUSAL)
-    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "diagonal_excluded")
 
 
 @jit
 def flash_rows_head_dim_apart(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
                               o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows addressed head_dim apart: right only for contiguous q, k, v."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _tile(q_ptr, head, seq_len * head_dim, head_dim, start_m, seq_len, head_dim, BLOCK_M, BLOCK_D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, hi, BLOCK_N):
-        k = _tile(k_ptr, head, seq_len * head_dim, head_dim, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        v = _tile(v_ptr, head, seq_len * head_dim, head_dim, start_n, seq_len, head_dim, BLOCK_N, BLOCK_D)
-        acc, l, m = _step(acc, l, m, q, k, v, start_n + tl.arange(0, BLOCK_N), rows, seq_len, scale, CAUSAL)
-    _finish(o_ptr, lse_ptr, acc, l, m + tl.log(l), head, rows, seq_len, head_dim, o_head_stride, o_row_stride, BLOCK_D)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "rows_head_dim_apart")
 
 
 # ---- the stretch: FlashAttention forward, declared on the engine -------------------------------------------
@@ -1039,33 +874,19 @@ def _flash_case(seed: int, name, heads, seq, head_dim, block_m, block_n, causal,
             "_constexprs": dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, _block(head_dim)))}
 
 
-def observe_flash(answers: list, cases: list) -> list:
-    """Launch each kernel with one program per (head, query block) on each case: what it raised, its traffic
-    (from its IR), O, its NaNs, the lse, and the values outside O it overwrote."""
-    observed = []
-    for kernel in answers:
-        seen = []
-        for case in cases:
-            (q, k, v), (heads, seq, head_dim), constexprs = case["_qkv"], case["(heads, s, d)"], case["_constexprs"]
-            buffer, rows_out = _output_buffer(heads * seq, head_dim, 3, torch.float32)
-            out = rows_out.view(heads, seq, head_dim)
-            lse = _with_room(torch.full((heads, seq), SENTINEL), fill=SENTINEL)
-            args = (q, k, v, out, lse, seq, head_dim, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                    case["_scale"])
-            try:
-                launch(kernel, (heads, -(-seq // constexprs["BLOCK_M"])), *args, **constexprs)
-            except NotImplementedError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a crash is a failed case, shown in the table
-                seen.append({"raised": _first_line(e)})
-                continue
-            o = out.cpu()
-            seen.append({"raised": "", **_flash_traffic(kernel, _arguments(kernel, args, constexprs), constexprs,
-                                                        heads, seq),
-                         "NaN": int(o.isnan().sum()), "O": o, "O (torch)": o, "lse": lse.cpu(),
-                         "outside": _outside_touched(buffer, rows_out)})
-        observed.append(seen)
-    return observed
+def _run_flash(kernel, case: dict) -> dict:
+    """Launch the kernel with one program per (head, query block): its traffic (from its IR), O, its NaNs, the lse,
+    and the values outside O it overwrote."""
+    (q, k, v), (heads, seq, head_dim), constexprs = case["_qkv"], case["(heads, s, d)"], case["_constexprs"]
+    buffer, rows_out = _output_buffer(heads * seq, head_dim, 3, torch.float32)
+    out = rows_out.view(heads, seq, head_dim)
+    lse = _with_room(torch.full((heads, seq), SENTINEL), fill=SENTINEL)
+    args = (q, k, v, out, lse, seq, head_dim, q.stride(0), q.stride(1), out.stride(0), out.stride(1), case["_scale"])
+    launch(kernel, (heads, -(-seq // constexprs["BLOCK_M"])), *args, **constexprs)
+    o = out.cpu()
+    return {**_flash_traffic(kernel, _arguments(kernel, args, constexprs), constexprs, heads, seq),
+            "NaN": int(o.isnan().sum()), "O": o, "O (torch)": o, "lse": lse.cpu(),
+            "outside": _outside_touched(buffer, rows_out)}
 
 
 def expect_flash(case: dict, observed: dict) -> dict:
@@ -1098,7 +919,7 @@ def _load_rule(name: str, what: str) -> AtMost:
 FLASH_ATTENTION = Check(
     "flash_attention_kernel", requires=REQUIRES,
     cases=[_flash_case(seed, *case) for seed, case in enumerate(FLASH_CASES)],
-    observe=observe_flash, expect=expect_flash, course="picotron.kernels",
+    observe=_observe(_run_flash), expect=expect_flash, course="picotron.kernels",
     note=(f"one program per (head, query block), in "
           f"{WHERE if INTERPRETED else 'a compiled GPU kernel (fp32 tl.dot in TF32)'}; expected O = SDPA in "
           "float64 and picotron's torch FlashAttention, lse = logsumexp in float64; loads counted on the kernel's "

@@ -1,8 +1,9 @@
 """The checks of assignment 09 pass correct kernels and fail planted wrong ones.
 
-The correct kernels are written here, not taken from the solution notebook (which runs under nbval
-on its own), so a check that passes everything, or nothing, is caught. Nothing here uses
-picotron.kernels' own kernels, except to see that the checks refuse them. Without a GPU the
+The correct kernels are the checks' own bases (picotron_course.checks_kernels) bound to no mistake, the code each
+misconception changes in one place, and other correct ones written here in other ways; none is taken from the
+solution notebook (which runs under nbval on its own), so a check that passes everything, or nothing, is caught.
+Nothing here uses picotron.kernels' own kernels, except to see that the checks refuse them. Without a GPU the
 kernels run in the Triton interpreter, on a GPU they compile; either way the online softmax's and
 FlashAttention's checks count loads and stores on the kernel's Triton IR, so a right answer that
 breaks a stated rule (reads the row three times, writes it twice, loads a whole row at once, reads
@@ -15,21 +16,18 @@ import triton
 import triton.language as tl
 
 from picotron.kernels.runtime import use_device_descriptors
-from picotron_course.checks_kernels import (check_flash_attention_kernel, check_online_softmax_kernel,
+from picotron_course.checks_kernels import (_flash_attention, _online_softmax, _rmsnorm, _softmax,
+                                            check_flash_attention_kernel, check_online_softmax_kernel,
                                             check_rmsnorm_kernel, check_softmax_kernel)
 
 
 use_device_descriptors()     # a compiled kernel that makes tensor descriptors needs a little global memory for them
 
 
-# ---- correct answers ------------------------------------------------------------------------------
+# ---- correct answers: the checks' bases with no MISTAKE, and other ways to write them ------------------------
 @triton.jit
 def ref_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=0))
-    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=cols < n_cols)
+    _softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "")
 
 
 @triton.jit
@@ -47,36 +45,12 @@ def ref_softmax_exp2(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK
 
 @triton.jit
 def ref_rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, normed * w, mask=inside)
-    tl.store(rstd_ptr + row, rstd)
+    _rmsnorm(x_ptr, w_ptr, out_ptr, rstd_ptr, n_cols, x_row_stride, out_row_stride, eps, BLOCK, "")
 
 
 @triton.jit
 def ref_online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
-    """A running max and sum over the row's blocks (shifted by 0 while every score is -inf), then the write."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = float("-inf")
-    total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=start + cols < n_cols,
-                    other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
-        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        m = new_m
-    for start in range(0, n_cols, BLOCK):
-        inside = start + cols < n_cols
-        x = tl.load(x_ptr + row * x_row_stride + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        y = tl.exp(x - m) / total
-        tl.store(out_ptr + row * out_row_stride + start + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+    _online_softmax(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK, "")
 
 
 @triton.jit
@@ -102,39 +76,13 @@ def ref_online_softmax_lanes(x_ptr, out_ptr, n_cols, x_row_stride, out_row_strid
         tl.store(out_ptr + row * out_row_stride + start + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-# ---- FlashAttention forward (the stretch): correct answers ----------------------------------------------
+# ---- FlashAttention forward (the stretch): correct answers, the base and one with tensor descriptors ---------
 @triton.jit
 def ref_flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride,
                         o_head_stride, o_row_stride, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One loop over the key blocks a query block sees, the mask on every block, exp."""
-    head, start_m = tl.program_id(0), tl.program_id(1) * BLOCK_M
-    rows, dims, keys = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + head * head_stride + rows[:, None] * row_stride + dims[None, :],
-                mask=(rows[:, None] < seq_len) & (dims[None, :] < head_dim), other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + keys
-        kv_mask = (cols[:, None] < seq_len) & (dims[None, :] < head_dim)
-        k = tl.load(k_ptr + head * head_stride + cols[:, None] * row_stride + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + head * head_stride + cols[:, None] * row_stride + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        visible = cols[None, :] < seq_len
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m = m_new
-    tl.store(o_ptr + head * o_head_stride + rows[:, None] * o_row_stride + dims[None, :], acc / l[:, None],
-             mask=(rows[:, None] < seq_len) & (dims[None, :] < head_dim))
-    tl.store(lse_ptr + head * seq_len + rows, m + tl.log(l), mask=rows < seq_len)
+    _flash_attention(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, head_dim, head_stride, row_stride, o_head_stride,
+                     o_row_stride, scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, "")
 
 
 @triton.jit
