@@ -34,7 +34,8 @@ from picotron import tolerance
 from picotron.config import ModelConfig
 from picotron.model import Llama, loss_fn
 from picotron_course.checks import close_enough, collectives_observed, on_ranks, one_thread, rank_tensor, watch_calls
-from picotron_course.engine import Check, Close, Exact, InTraining, Misconception, Within, by_rank
+from picotron_course.engine import (Check, Close, Exact, InTraining, Misconception, Within, by_rank, named,
+                                    observe_on_ranks)
 
 __all__ = ["check_grad_views", "check_grad_bucket", "check_hooks", "check_data_parallel", "check_assign_buckets",
            "given_bucket_plan", "recorded_all_reduces", "CHECK_MODEL", "WORLD"]
@@ -111,10 +112,6 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # ---- 1. grad_views ---------------------------------------------------------------------------
-def _observe_views(answers: list, cases: list) -> list:
-    return [[_views(grad_views, case) for case in cases] for grad_views in answers]
-
-
 def _views(grad_views: Callable, case: dict) -> dict:
     params = [nn.Parameter(rank_tensor(0, shape, case["dtype"], case["_seed"])) for shape in case["shapes"]]
     buffer = grad_views(params)
@@ -154,13 +151,6 @@ def _expect_views(case: dict, observed: dict) -> dict:
             "after backward": 2 * torch.cat([s.flatten() for s in scales]), "grads after backward": starts}
 
 
-def _gv_copies(params):
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
-    for p in params:
-        p.grad = torch.zeros_like(p)  # its own tensor: backward never reaches the buffer
-    return buffer
-
-
 def _gv_no_grads(params):
     return torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
 
@@ -174,33 +164,24 @@ def _gv_reversed(params):
     return buffer
 
 
-def _gv_ones(params):
-    buffer = torch.ones(sum(p.numel() for p in params), dtype=params[0].dtype)
-    for p, piece in zip(params, buffer.split([p.numel() for p in params])):
-        p.grad = piece.view_as(p)
-    return buffer
-
-
-def _gv_returns_nothing(params):
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
-    for p, piece in zip(params, buffer.split([p.numel() for p in params])):
-        p.grad = piece.view_as(p)
-
-
 GRAD_VIEWS = Check(
-    "grad_views", observe=_observe_views, expect=_expect_views,
+    "grad_views", observe=lambda answers, cases: [[_views(f, case) for case in cases] for f in answers],
+    expect=_expect_views,
     cases=[dict(shapes=shapes, dtype=dtype, _seed=seed) for seed, (shapes, dtype) in enumerate(
         [([(3, 4), (5,), (2, 3, 2)], torch.float32), ([(7,)], torch.float32), ([(1,), (4, 4), (6,)], torch.float64)])],
     quantities={"returned": Exact("what grad_views returned"),
                 "grads": Exact("where each p.grad starts in the buffer (element)", axes=("params[{}]",)),
                 "after backward": Close("the buffer after two backward passes (the summed gradients)", n=2),
                 "grads after backward": Exact("where each p.grad starts after backward", axes=("params[{}]",))},
-    misconceptions=[
-        Misconception(_gv_returns_nothing, "grad_views must return the flat buffer (a tensor)"),
-        Misconception(_gv_ones, "the buffer must start at zero: autograd adds each gradient into it"),
+    misconceptions=[   # _Bucket (below) makes the correct views
+        Misconception(named("_gv_returns_nothing", lambda params: _Bucket(params, None) and None),   # views, no buffer
+                      "grad_views must return the flat buffer (a tensor)"),
+        Misconception(named("_gv_ones", lambda params: _Bucket(params, None).buffer.fill_(1)),
+                      "the buffer must start at zero: autograd adds each gradient into it"),
         Misconception(_gv_no_grads, "set each p.grad to a view of its slice of the buffer"),
-        Misconception(_gv_copies, "each p.grad must be a view of the buffer, not a copy: slice the buffer and "
-                                  ".view_as(param), do not torch.cat or .clone"),
+        Misconception(named("_gv_copies", lambda params: _Bucket(params, None).buffer.clone()),   # p.grad elsewhere
+                      "each p.grad must be a view of the buffer, not a copy: slice the buffer and .view_as(param), do "
+                      "not torch.cat or .clone"),
         Misconception(_gv_reversed, "lay the parameters out one after another, in the order given")])
 
 
@@ -366,26 +347,19 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
 
 
-def _hooks_on_rank(answers: list, cases: list) -> list:
-    rank, out = dist.get_rank(), []
-    tokens = _tokens(0, 0, rank)
-    for DataParallel in answers:
-        seen = []
-        for case in cases:
-            model = _model()
-            dp = DataParallel(model, dist.group.WORLD, case["bucket_numel"])
-            HOOKS.refuse(DataParallel, dp, *dp.buckets)
-            local = _model()                                     # this rank's own gradient, without communication
-            loss_fn(local(tokens[:, :-1]), tokens[:, 1:]).backward()
-            with recorded_all_reduces() as calls:
-                loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-                in_backward = len(calls)
-                dp.finish_gradient_sync()
-            seen.append({"buckets": len(dp.buckets), "in backward": in_backward, "all-reduces": len(calls),
-                         "waited": all(c.waited for c in calls), "stale": _sent_before_ready(model, local, calls),
-                         "grads": _flat_grads(model)})
-        out.append(seen)
-    return out
+def _hooks_on_rank(DataParallel: type, case: dict) -> dict:
+    tokens, model = _tokens(0, 0, dist.get_rank()), _model()
+    dp = DataParallel(model, dist.group.WORLD, case["bucket_numel"])
+    HOOKS.refuse(DataParallel, dp, *dp.buckets)
+    local = _model()                                     # this rank's own gradient, without communication
+    loss_fn(local(tokens[:, :-1]), tokens[:, 1:]).backward()
+    with recorded_all_reduces() as calls:
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        in_backward = len(calls)
+        dp.finish_gradient_sync()
+    return {"buckets": len(dp.buckets), "in backward": in_backward, "all-reduces": len(calls),
+            "waited": all(c.waited for c in calls), "stale": _sent_before_ready(model, local, calls),
+            "grads": _flat_grads(model)}
 
 
 def _sent_before_ready(model: nn.Module, local: nn.Module, calls: list[AllReduceCall]) -> str:
@@ -406,50 +380,34 @@ def _sent_before_ready(model: nn.Module, local: nn.Module, calls: list[AllReduce
     return ""
 
 
-@functools.cache
-def _one_backward() -> torch.Tensor:
-    """One process's gradient of the global batch of step 0."""
-    with one_thread():
-        model = _model()
-        batch = torch.cat([_tokens(0, 0, r) for r in range(WORLD)])
-        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-    return _flat_grads(model)
-
-
 def _expect_hooks(case: dict, observed: dict) -> dict:
     buckets = observed["buckets"]   # one all-reduce per bucket the answer made
     return {"in backward": buckets, "all-reduces": buckets, "waited": [True] * WORLD, "stale": [""] * WORLD,
-            "grads": [_one_backward()] * WORLD}
+            "grads": [_train_one_process(1)[0][0]] * WORLD}   # one process's gradient of step 0's global batch
 
 
 TRAIN_STEPS, LR = 5, 1e-2
 
 
-def _train_on_rank(answers: list, cases: list) -> list:
-    rank, out = dist.get_rank(), []
-    for DataParallel in answers:
-        seen = []
-        for case in cases:
-            accum, model = case["micro_batches"], _model()
-            dp = DataParallel(model, dist.group.WORLD, case["bucket_numel"])
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-            grads, per_step = [], []
-            with recorded_all_reduces() as calls:
-                for step in range(TRAIN_STEPS):
-                    before = len(calls)
-                    for micro in range(accum):
-                        tokens = _tokens(step, micro, rank)
-                        with dp.no_sync() if micro < accum - 1 else nullcontext():
-                            (loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / accum).backward()
-                    dp.finish_gradient_sync()
-                    per_step.append(len(calls) - before)
-                    grads.append(_flat_grads(model))
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=False)  # zero the views in place: they are the buckets
-            seen.append({"buckets": len(dp.buckets), "all-reduces": per_step, "grads": grads,
-                         "weights": torch.cat([p.detach().flatten() for p in model.parameters()])})
-        out.append(seen)
-    return out
+def _train_on_rank(DataParallel: type, case: dict) -> dict:
+    accum, model = case["micro_batches"], _model()
+    dp = DataParallel(model, dist.group.WORLD, case["bucket_numel"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    grads, per_step = [], []
+    with recorded_all_reduces() as calls:
+        for step in range(TRAIN_STEPS):
+            before = len(calls)
+            for micro in range(accum):
+                tokens = _tokens(step, micro, dist.get_rank())
+                with dp.no_sync() if micro < accum - 1 else nullcontext():
+                    (loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / accum).backward()
+            dp.finish_gradient_sync()
+            per_step.append(len(calls) - before)
+            grads.append(_flat_grads(model))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)  # zero the views in place: they are the buckets
+    return {"buckets": len(dp.buckets), "all-reduces": per_step, "grads": grads,
+            "weights": torch.cat([p.detach().flatten() for p in model.parameters()])}
 
 
 @functools.cache
@@ -534,7 +492,7 @@ class DPIgnoresNoSync(_DataParallel):
 
 
 HOOKS = Check(
-    "hooks", observe=lambda answers, cases: by_rank(on_ranks(_hooks_on_rank, WORLD, answers, cases)),
+    "hooks", observe=observe_on_ranks(WORLD, _hooks_on_rank),
     expect=_expect_hooks, course=COURSE, only=ONLY,
     note=f"{WORLD} ranks, one backward of a Llama with 11 parameter tensors (the embedding tied to the LM head)",
     cases=[dict(bucket_numel=n) for n in (0, 3000, 10**9)],   # one bucket per parameter, a few, one for everything
@@ -556,7 +514,7 @@ HOOKS = Check(
                                     "gradient was there")])
 
 TRAINING = Check(
-    "DataParallel training", observe=lambda answers, cases: by_rank(on_ranks(_train_on_rank, WORLD, answers, cases)),
+    "DataParallel training", observe=observe_on_ranks(WORLD, _train_on_rank),
     expect=_expect_training, course=COURSE, only=ONLY,
     note=f"{WORLD} ranks, {TRAIN_STEPS} AdamW steps; micro-batches of {BATCH_PER_RANK} sequences per rank",
     cases=[dict(bucket_numel=n, micro_batches=a) for n, a in [(0, 1), (3000, 1), (10**9, 1), (3000, 2), (10**9, 3)]],
@@ -592,11 +550,13 @@ def given_bucket_plan(model: nn.Module, bucket_numel: int) -> list[list[nn.Param
     return _cut([p for p in model.parameters() if p.requires_grad][::-1], bucket_numel)
 
 
-def _cut(params: list, bucket_numel: int) -> list[list]:
+def _cut(params: list, bucket_numel: int, closed: Callable | None = None) -> list[list]:
+    """params cut into consecutive buckets; a bucket closes once it holds >= bucket_numel elements (or, in a
+    misconception, when closed(its elements, the next parameter, the bucket))."""
     plan: list[list] = []
     size = 0
     for param in params:
-        if not plan or size >= bucket_numel:
+        if not plan or (closed(size, param, plan[-1]) if closed else size >= bucket_numel):
             plan.append([])
             size = 0
         plan[-1].append(param)
@@ -631,13 +591,9 @@ def ready_order(model: nn.Module) -> list[nn.Parameter]:
     return order
 
 
-def _observe_plans(answers: list, cases: list) -> list:
-    return [[_plan(assign_buckets, case) for case in cases] for assign_buckets in answers]
-
-
 def _plan(assign_buckets: Callable, case: dict) -> dict:
     model = plan_model(case["model"], case["_frozen"])
-    with _course_plan_calls() as called:
+    with watch_calls(_course_plan) as called:
         plan = assign_buckets(model, case["bucket_numel"])
     if called:
         raise AssertionError(f"check_assign_buckets: your assign_buckets called {called[0]}, the course's plan; "
@@ -673,15 +629,10 @@ def _expect_plan(case: dict, observed: dict) -> dict:
     return _plan_seen(_cut(ready_order(model), case["bucket_numel"]), model)
 
 
-@contextmanager
-def _course_plan_calls() -> Iterator[list[str]]:
-    """Inside the block, note every call of the course's own bucket plans, however they were imported."""
-    def name_of(frame):
-        where = (frame.f_globals.get("__name__"), frame.f_code.co_name)
-        return f"{where[0]}.{where[1]}" if where in COURSE_PLANS else None
-
-    with watch_calls(name_of) as called:
-        yield called
+def _course_plan(frame) -> str | None:
+    """The course's own bucket plan a frame runs, however it was imported (for watch_calls)."""
+    where = (frame.f_globals.get("__name__"), frame.f_code.co_name)
+    return f"{where[0]}.{where[1]}" if where in COURSE_PLANS else None
 
 
 def _trainable(model):
@@ -697,25 +648,11 @@ def plan_tied_twice(model, bucket_numel):  # every name, so the tied embedding a
 
 
 def plan_never_over(model, bucket_numel):  # closes a bucket before it would exceed bucket_numel
-    plan, size = [], 0
-    for p in _trainable(model)[::-1]:
-        if not plan or size + p.numel() > bucket_numel:
-            plan.append([])
-            size = 0
-        plan[-1].append(p)
-        size += p.numel()
-    return plan
+    return _cut(_trainable(model)[::-1], bucket_numel, lambda size, p, bucket: size + p.numel() > bucket_numel)
 
 
 def plan_one_past(model, bucket_numel):  # closes one parameter late
-    plan, size = [], 0
-    for p in _trainable(model)[::-1]:
-        if not plan or (size >= bucket_numel and len(plan[-1]) > 1):
-            plan.append([])
-            size = 0
-        plan[-1].append(p)
-        size += p.numel()
-    return plan
+    return _cut(_trainable(model)[::-1], bucket_numel, lambda size, p, bucket: size >= bucket_numel and len(bucket) > 1)
 
 
 def plan_with_frozen(model, bucket_numel):  # a frozen parameter never gets a gradient, nor a hook call
@@ -737,7 +674,8 @@ def plan_flat(model, bucket_numel):
 # (model, bucket_numel, names of frozen parameters): one bucket per parameter, a few, one for all,
 # a deeper model, and frozen parameters (no gradient, so no hook: they must stay out of every bucket).
 ASSIGN_BUCKETS = Check(
-    "assign_buckets", observe=_observe_plans, expect=_expect_plan,
+    "assign_buckets", observe=lambda answers, cases: [[_plan(f, case) for case in cases] for f in answers],
+    expect=_expect_plan,
     note="one process; 'ready order': the order the post-accumulate-grad hooks fired in one backward of the model",
     cases=[dict(model=m, bucket_numel=n, frozen=len(f), _frozen=f) for m, n, f in [
         ("1 layer", 0, ()), ("1 layer", 3000, ()), ("1 layer", 10**9, ()), ("2 layers", 2500, ()),

@@ -40,8 +40,8 @@ from typing import Callable
 
 import torch
 
-from picotron_course.checks import close_enough, mismatch
-from picotron_course.engine import AtMost, Check, Close, Exact, Misconception, Quantity
+from picotron_course.checks import mismatch
+from picotron_course.engine import AtMost, Check, Close, Exact, Misconception, Quantity, named, per_case
 
 __all__ = ["check_tensorwise", "check_rowwise", "check_float8_matmul", "check_float8_linear", "check_delayed_scaler",
            "ref_quantize_tensorwise", "ref_quantize_rowwise", "ref_dequantize", "E4M3", "E5M2",
@@ -103,14 +103,6 @@ def _data(shape: tuple, seed: int, spread: bool = True) -> torch.Tensor:
 
 # ---- how these checks observe and compare -----------------------------------------------------------------
 @dataclass(frozen=True)
-class Summed(Close):
-    """Close up to the float32 round-off of a sum of `want.terms` terms (K of the matmul, which varies by case)."""
-
-    def close(self, got, want) -> bool:
-        return close_enough(got.float(), want, FP32, n=want.terms)
-
-
-@dataclass(frozen=True)
 class Bits(Quantity):
     """fp8 tensors equal bit for bit."""
 
@@ -127,11 +119,9 @@ class Bits(Quantity):
 
 
 def _terms(t: torch.Tensor | None, n: int):
-    """t (in float32) marked with the n terms of the sums behind each of its numbers, for Summed."""
-    if isinstance(t, torch.Tensor):
-        t = t.detach().float().clone()
-        t.terms = n
-    return t
+    """t in float32, carrying the n terms of the sums behind each of its numbers (K of a matmul, which varies by
+    case): Close's roundings, float32 round-off of a sum of n terms (per_case)."""
+    return per_case(t.detach().float().clone(), n=n) if isinstance(t, torch.Tensor) else t
 
 
 def _call(fn: Callable, *args) -> tuple:
@@ -246,12 +236,6 @@ def tw_no_clamp(x, dtype, scale=None):
     return (x.float() / scale).to(dtype), scale
 
 
-def _named(name: str, answer: Callable) -> Callable:
-    """A misconception written as a lambda, under the name its test shows."""
-    answer.__name__ = answer.__qualname__ = name
-    return answer
-
-
 def _set(x: torch.Tensor, where, value) -> torch.Tensor:
     x[where] = value
     return x
@@ -264,13 +248,13 @@ def _variant(name: str, base: type, **changed) -> type:
 
 def _tw(name: str, scale_of: Callable) -> tuple:
     """A tensorwise quantize whose own scale (none given) is scale_of(x, dtype), with the correct dequantize."""
-    return _named(name, lambda x, dtype, scale=None: ref_quantize_tensorwise(
+    return named(name, lambda x, dtype, scale=None: ref_quantize_tensorwise(
         x, dtype, scale_of(x, dtype) if scale is None else scale)), ref_dequantize
 
 
 def _rescaled(name: str, quantize: Callable, scale: Callable) -> tuple:
     """quantize's q with scale(its scale, x) instead of its scale, with the correct dequantize."""
-    return _named(name, lambda x, *args: (lambda q, s: (q, scale(s, x)))(*quantize(x, *args))), ref_dequantize
+    return named(name, lambda x, *args: (lambda q, s: (q, scale(s, x)))(*quantize(x, *args))), ref_dequantize
 
 
 def dequantize_divides(q, scale):
@@ -305,7 +289,7 @@ TENSORWISE = Check(
         Misconception(_tw("tw_no_zero_guard", lambda x, dtype: x.abs().max().float() / _max(dtype)),
                       "the scale differs from amax / max on an all-zero tensor: clamp the amax at 1e-12, so the "
                       "scale stays positive and x / scale is never 0 / 0"),
-        Misconception((_named("tw_ignores_given_scale", lambda x, dtype, scale=None: ref_quantize_tensorwise(x, dtype)),
+        Misconception((named("tw_ignores_given_scale", lambda x, dtype, scale=None: ref_quantize_tensorwise(x, dtype)),
                        ref_dequantize), "the scale differs from the scale given: when a (stale) scale is given, use "
                                         "it, and saturate"),
         Misconception((tw_no_clamp, ref_dequantize), "clamp to +-max before the cast: beyond the format's max, "
@@ -379,20 +363,20 @@ FLOAT8_MATMUL = Check(
     columns=lambda case, got: {"vs fp32": got["vs fp32"]},
     quantities={
         "returned": Exact("what float8_matmul returned: a tensor of shape (rows of a, rows of b)"),
-        "product": Summed("the product of the two dequantized fp8 operands (quantize both along K, the last "
-                          "dimension, then multiply in float32)"),
+        "product": Close("the product of the two dequantized fp8 operands (quantize both along K, the last "
+                         "dimension, then multiply in float32)", dtype=FP32),
         "vs fp32": AtMost("the relative error against a @ b.T in fp32")},
     misconceptions=[
-        Misconception(_named("mm_forgets_scales", lambda a, b, quantize, a_dtype, b_dtype: quantize(
+        Misconception(named("mm_forgets_scales", lambda a, b, quantize, a_dtype, b_dtype: quantize(
             a, a_dtype)[0].float() @ quantize(b, b_dtype)[0].float().t()),
             "multiply the dequantized operands, q.float() * scale of each: the fp8 values alone are x / scale"),
-        Misconception(_named("mm_high_precision", lambda a, b, quantize, a_dtype, b_dtype: a @ b.t()),
+        Misconception(named("mm_high_precision", lambda a, b, quantize, a_dtype, b_dtype: a @ b.t()),
                       "quantize both operands to fp8 and multiply the dequantized copies: a @ b.T in high precision "
                       "is not the fp8 matmul"),
-        Misconception(_named("mm_quantizes_b_along_n", lambda a, b, quantize, a_dtype, b_dtype: ref_dequantize(
+        Misconception(named("mm_quantizes_b_along_n", lambda a, b, quantize, a_dtype, b_dtype: ref_dequantize(
             *quantize(a, a_dtype)) @ ref_dequantize(*quantize(b.t(), b_dtype))),   # b's scales across N
             "quantize b as given, (N, K), along K, its last dimension: rowwise scales of b.t() run across N"),
-        Misconception(_named("mm_one_dtype", lambda a, b, quantize, a_dtype, b_dtype: _fp8_product(
+        Misconception(named("mm_one_dtype", lambda a, b, quantize, a_dtype, b_dtype: _fp8_product(
             a, b, quantize, a_dtype, a_dtype)), "quantize a in a_dtype and b in b_dtype: a gradient's product "
                                                 "mixes e5m2 and e4m3")])
 
@@ -489,15 +473,15 @@ FLOAT8_LINEAR = Check(
     quantities={
         "forward": Exact("what forward returned: y of shape (..., N) (flatten the leading dimensions for the matmul "
                          "and restore them after)"),
-        "y": Summed("forward: x W^T from e4m3 copies of x and W (quantized along K)"),
+        "y": Close("forward: x W^T from e4m3 copies of x and W (quantized along K)", dtype=FP32),
         "grad_fn": Exact("the output has a grad_fn: return forward's result as is (no .detach(), no "
                          "torch.no_grad())"),
         "backward": Exact("what the given backward raised: it reads ctx.saved_tensors = (x as (M, K), weight), "
                           "ctx.quantize and ctx.x_shape; set them in forward"),
-        "dx": Summed("dx, against the quantized product dy W (did forward save x and the weight themselves, before "
-                     "any quantization, and the quantize it was given?)"),
-        "dW": Summed("dW, against the quantized product dy^T x (did forward save x and the weight themselves, "
-                     "before any quantization, and the quantize it was given?)"),
+        "dx": Close("dx, against the quantized product dy W (did forward save x and the weight themselves, before "
+                    "any quantization, and the quantize it was given?)", dtype=FP32),
+        "dW": Close("dW, against the quantized product dy^T x (did forward save x and the weight themselves, "
+                    "before any quantization, and the quantize it was given?)", dtype=FP32),
         "y vs bf16": AtMost("the relative error of y against bf16"),
         "dx vs bf16": AtMost("the relative error of dx against bf16"),
         "dW vs bf16": AtMost("the relative error of dW against bf16")},
@@ -551,10 +535,7 @@ class _Scaler:
         amax = x.abs().max().item()
         chosen = self.delayed_amax(amax)
         self.history.append(amax)
-        return self.cast(x, self.scale(chosen))
-
-    def cast(self, x, scale):
-        return (x.float() / scale).clamp(-_max(self.dtype), _max(self.dtype)).to(self.dtype), scale
+        return ref_quantize_tensorwise(x, self.dtype, self.scale(chosen))
 
 
 def _planted(amaxes: list[float], seed: int, shape=(16, 48)) -> list[torch.Tensor]:
@@ -625,7 +606,7 @@ def _scaler_seen(DelayedScaler, case: dict) -> dict:
 
 def _expect_scalers(case: dict, observed: dict) -> dict:
     """The rules' scale and overflow count each step; q as the rules make it at the learner's own scale."""
-    dtype, limit = case["dtype"], _max(case["dtype"])
+    dtype = case["dtype"]
     refs = [_Scaler(dtype, case["H"], case["margin"]) for _ in case["_sequences"]]
     want: dict[str, list] = {key: [] for key in ("returned", "scale", "fp8 values", "overflows")}
     for step, xs in enumerate(zip(*[_planted(amaxes, seed) for amaxes, seed in case["_sequences"]])):
@@ -636,7 +617,7 @@ def _expect_scalers(case: dict, observed: dict) -> dict:
             row["scale"].append(ref.quantize(x)[1])
             row["returned"].append(f"(q, scale): q {dtype} of shape {tuple(x.shape)}, the scale one float32 number")
             one = isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype == FP32
-            row["fp8 values"].append((x.float() / scale).clamp(-limit, limit).to(dtype) if one else None)
+            row["fp8 values"].append(ref_quantize_tensorwise(x, dtype, scale)[0] if one else None)
             row["overflows"].append(ref.overflows)
         for key, values in row.items():
             want[key].append(_each_scaler(values))
@@ -646,7 +627,7 @@ def _expect_scalers(case: dict, observed: dict) -> dict:
 class DsDynamic(_Scaler):
     def quantize(self, x):   # records this step's amax before choosing the scale
         self.history.append(x.abs().max().item())
-        return self.cast(x, self.scale(max(self.history[-self.history_len:])))
+        return ref_quantize_tensorwise(x, self.dtype, self.scale(max(self.history[-self.history_len:])))
 
 
 class DsSaturates(_Scaler):

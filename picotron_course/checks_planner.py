@@ -41,7 +41,7 @@ from picotron.costs import training_flops_per_token
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from picotron.layout import validate
 from picotron_course.checks import on_ranks, refusing
-from picotron_course.engine import CHECKS, Check, Exact, Misconception, Quantity, named
+from picotron_course.engine import Check, Exact, Misconception, Quantity, named
 from picotron.memory import (
     GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage, parameters_on_rank,
     state_bytes_on_rank)
@@ -156,7 +156,6 @@ RUN_CASES = [("dp2 tp2 +SP", Layout(tp=2, dp=2, micro_batch_size=2), 16),
 RUN_SEQ = 32
 
 
-
 # ==== how an answer is run and its numbers compared ==============================================
 def _guarded(check: Check, answer, refused: dict):
     """refusing(refused) around a call of `answer`, unless it is one of the check's misconceptions (they call
@@ -187,11 +186,7 @@ class Near(Quantity):
 
 def _off(name: str, value: Callable, off: Callable) -> Callable:
     """A wrong answer: picotron's value, off by off(value, *arguments) (the mistake's cost)."""
-    def answer(*args):
-        right = value(*args)
-        return off(right, *args)
-    answer.__name__ = answer.__qualname__ = name
-    return answer
+    return named(name, lambda *args: off(value(*args), *args))
 
 
 # ==== 1. the parameters of the first stage ======================================================
@@ -221,10 +216,6 @@ def _vocab(model: ModelConfig, layout: Layout) -> int:
     return model.vocab_size * model.hidden_size // layout.tp
 
 
-def _floor_layers(model: ModelConfig, layout: Layout) -> int:
-    return _params(dataclasses.replace(model, num_layers=model.num_layers // layout.pp * layout.pp), layout)
-
-
 PARAMS = Check(
     "params_on_first_stage", observe=_observe_params, note="expected: memory.parameters_on_rank(model, parallel, "
                                                             "pp_rank=0)",
@@ -249,7 +240,8 @@ PARAMS = Check(
         Misconception(_params_off("params_norms_split_by_tp", lambda m, l: -2 * -(-m.num_layers // l.pp)
                                   * m.hidden_size * (l.tp - 1) // l.tp),
                       "the RMSNorm weights are not split by tp: every tp rank keeps them whole"),
-        Misconception(_off("params_floor_layers", _floor_layers, lambda right, *_: right),
+        Misconception(named("params_floor_layers", lambda m, l: _params(dataclasses.replace(
+            m, num_layers=m.num_layers // l.pp * l.pp), l)),
                       "picotron gives the extra layers to the first stages: the first stage holds layers "
                       "0..ceil(L/pp)-1, not floor(L/pp)")])
 
@@ -270,12 +262,18 @@ class _Measured(Near):
                 f"peak saved activations {want['activations']:,}); yours {yours}")
 
 
+def _first_stage_memory(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int,
+                        precision: str = "bf16-mixed"):
+    """estimate_memory(pp_rank=0): what memory_per_gpu adds up (the first stage's GPU)."""
+    m = global_batch // (layout.dp * layout.micro_batch_size)
+    model = dataclasses.replace(model, recompute=layout.recompute, max_seq_len=max(model.max_seq_len, seq_len))
+    return estimate_memory(model, TrainConfig(micro_batch_size=layout.micro_batch_size, grad_accum_steps=m,
+                                              seq_len=seq_len), plan_of(layout).parallel, precision=precision,
+                           pp_rank=0)
+
+
 def _expected_memory(model: ModelConfig, layout: Layout, seq: int, batch: int, precision: str) -> dict:
-    plan = plan_of(layout, precision)
-    m = batch // (layout.dp * layout.micro_batch_size)
-    model = dataclasses.replace(model, recompute=layout.recompute, max_seq_len=max(model.max_seq_len, seq))
-    memory = estimate_memory(model, TrainConfig(micro_batch_size=layout.micro_batch_size, grad_accum_steps=m,
-                                                seq_len=seq), plan.parallel, precision=precision, pp_rank=0)
+    memory = _first_stage_memory(model, layout, seq, batch, precision)
     return {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer state": memory.optimizer,
             "activations": memory.activations}
 
@@ -407,8 +405,6 @@ def planner_step_time(model: ModelConfig, layout: Layout, cluster: ClusterSpec, 
     return sum(time.values()), time
 
 
-
-
 class _Seconds(float):
     """The planner's seconds per step, with its parts."""
     parts: dict = {}
@@ -448,8 +444,8 @@ def _observe_times(check: Callable) -> Callable:
 
 
 def _time_check(title: str, cases: list, says: str, misconceptions: list) -> Check:
-    return Check(
-        title, observe=_observe_times(lambda: next(c for c in CHECKS if c.title == title)),
+    check = Check(
+        title, observe=_observe_times(lambda: check),
         note="expected: planner.estimate_plan(..., overlap=False), without the stage-to-stage sends; bf16-mixed, "
              "kernels at ASSUMED_MFU of peak",
         cases=[dict(case=name, _model=model, _layout=layout, _cluster=cluster, _seq=seq, _batch=batch)
@@ -460,6 +456,7 @@ def _time_check(title: str, cases: list, says: str, misconceptions: list) -> Che
         quantities={"returned": Exact(f"what {title} returned (return a float, seconds)"),
                     "seconds": StepTime(says, rel=0.01)},
         misconceptions=misconceptions)
+    return check
 
 
 def _time_of(case: dict) -> _Seconds:
@@ -519,19 +516,10 @@ def candidate_layouts(model: ModelConfig, cluster: ClusterSpec, seq_len: int, gl
     return out
 
 
-def _first_stage_bytes(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> int:
-    """estimate_memory(pp_rank=0), bf16-mixed: what memory_per_gpu adds up (the first stage's GPU)."""
-    m = global_batch // (layout.dp * layout.micro_batch_size)
-    model = dataclasses.replace(model, recompute=layout.recompute, max_seq_len=max(model.max_seq_len, seq_len))
-    return estimate_memory(model, TrainConfig(micro_batch_size=layout.micro_batch_size, grad_accum_steps=m,
-                                              seq_len=seq_len), plan_of(layout).parallel, precision="bf16-mixed",
-                           pp_rank=0).total
-
-
 def first_stage_fits(model: ModelConfig, layout: Layout, cluster: ClusterSpec, seq_len: int,
                      global_batch: int) -> bool:
     """Whether a first-stage GPU's memory (picotron's estimate, bf16-mixed) is within 90% of the GPU's."""
-    return _first_stage_bytes(model, layout, seq_len, global_batch) <= 0.9 * cluster.gpu_memory
+    return _first_stage_memory(model, layout, seq_len, global_batch).total <= 0.9 * cluster.gpu_memory
 
 
 def fastest_layout(model: ModelConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, *, sends: bool = False,
@@ -552,15 +540,13 @@ def fastest_layout(model: ModelConfig, cluster: ClusterSpec, seq_len: int, globa
     return layout, estimate, seconds
 
 
-
-
 _PRICED: dict = {}   # by case: every candidate's first-stage bytes and seconds (fixed numbers: once a process)
 
 
 def _priced(case: dict) -> dict:
     if case["case"] not in _PRICED:
         model, cluster, seq, batch = case["_model"], case["_cluster"], case["_seq"], case["_batch"]
-        _PRICED[case["case"]] = {layout: (_first_stage_bytes(model, layout, seq, batch),
+        _PRICED[case["case"]] = {layout: (_first_stage_memory(model, layout, seq, batch).total,
                                           planner_step_time(model, layout, cluster, seq, batch)[0])
                                  for layout in candidate_layouts(model, cluster, seq, batch)}
     return _PRICED[case["case"]]
@@ -667,8 +653,6 @@ CP_TIME_CASES = [
     ("llama3-8b, tp4 cp4 dp4, 8 nodes, 8k: ring across nodes", _model("llama3-8b"), Layout(tp=4, cp=4, dp=4),
      H100_8_NODES, 8192, 32),
 ]
-
-
 
 
 def _ring(model, layout, cluster, seq) -> tuple[float, float]:

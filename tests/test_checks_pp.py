@@ -1,8 +1,10 @@
 """The checks of assignment 06 pass correct schedules and refuse the course's own.
 
-The correct answers are written here, not taken from the solution notebook (which runs under nbval on its own) nor
-from picotron.parallel.pipeline_schedules, which the checks refuse. The wrong answers are the checks' misconceptions,
-each failing with its hint (tests/test_misconceptions.py).
+The correct answers are the checks' own correct schedules (checks_pp._afab, _one_f_one_b, _zb_h1, which the
+misconceptions change and a learner may not submit), judged with the refusal off, and others written here, not taken
+from the solution notebook (which runs under nbval on its own) nor from picotron.parallel.pipeline_schedules, which
+the checks refuse. The wrong answers are the checks' misconceptions, each failing with its hint
+(tests/test_misconceptions.py).
 """
 
 import pytest
@@ -13,13 +15,10 @@ from picotron_course.checks_pp import (COURSE_SCHEDULES, STRUCTURE_CASES, TRAIN_
                                        check_one_f_one_b_actions, check_one_f_one_b_training, check_zb_h1_actions,
                                        show_timeline)
 from picotron.parallel.pipeline_schedules import Action
+from picotron_course.engine import Check
 
 
-# ---- correct answers ------------------------------------------------------------------------------
-def ref_afab(rank, pp, m):
-    return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in range(m)]
-
-
+# ---- correct answers: the checks' own bases, and others --------------------------------------------
 def ref_afab_tuples(rank, pp, m):
     """Plain tuples are actions too."""
     return [(op, i, rank) for op in "FB" for i in range(m)]
@@ -73,19 +72,25 @@ def ref_zb_h1_pending(rank, pp, m):
 CASES = {"afab_actions": 10, "one_f_one_b_actions": 10, "zb_h1_actions": 10, "one_f_one_b_actions on the executor": 3}
 
 
-@pytest.mark.parametrize("check, answer", [(check_afab_actions, ref_afab), (check_afab_actions, ref_afab_tuples),
+@pytest.mark.parametrize("check, answer", [(check_afab_actions, checks_pp._afab),
+                                           (check_afab_actions, ref_afab_tuples),
+                                           (check_one_f_one_b_actions, checks_pp._one_f_one_b),
                                            (check_one_f_one_b_actions, ref_1f1b),
                                            (check_one_f_one_b_actions, ref_1f1b_queue),
+                                           (check_zb_h1_actions, checks_pp._zb_h1),
                                            (check_zb_h1_actions, ref_zb_h1), (check_zb_h1_actions, ref_zb_h1_pending),
                                            (check_one_f_one_b_training, ref_1f1b)],
-                         ids=["afab", "afab_tuples", "1f1b", "1f1b_queue", "zb_h1", "zb_h1_pending", "training"])
+                         ids=["afab_base", "afab_tuples", "1f1b_base", "1f1b", "1f1b_queue", "zb_h1_base", "zb_h1",
+                              "zb_h1_pending", "training"])
 def test_correct_answer_passes(check, answer, every_case, monkeypatch):
     """With the course's schedules broken: the checks judge with picotron's simulator (the exercise hands it to the
-    learner), never with its schedules (what the exercise teaches)."""
+    learner), never with its schedules (what the exercise teaches). The refusal is off (the checks' own bases)."""
     def broken(*args, **kwargs):
         raise RuntimeError("the check called the course's schedules")
     for name in COURSE_SCHEDULES:
         monkeypatch.setattr(pipeline_schedules, name, broken)
+    for declared in [v for v in vars(checks_pp).values() if isinstance(v, Check)]:
+        monkeypatch.setattr(declared, "course", None)   # Check.refuse refuses nothing (the lists reach no rank)
     check(answer)
     every_case(CASES)
 
