@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 from picotron_course.checks import (all_ranks_ok, close_enough, collectives_observed, grad_of, one_thread,
                                     payload_of, raised, rank_tensor)
-from picotron_course.engine import (Check, Close, Exact, Misconception, Within, named, observe_on_ranks,
-                                    world_and_halves)
+from picotron_course.engine import (Check, Close, Exact, Misconception, Within, named, observe_in_process,
+                                    observe_on_ranks, world_and_halves)
 
 __all__ = ["check_permute", "check_all_to_all", "check_dispatch", "check_combine", "check_expert_parallel_moe",
            "check_capacity_moe", "unpermute_demo", "recorded_exchanges", "Exchange", "SplitsDisagree", "dense_moe",
@@ -366,11 +366,6 @@ def _on_ranks(run_case: Callable) -> Callable:
     return observe_on_ranks(WORLD, run_case, world_and_halves, "ep")
 
 
-def _in_process(run_case: Callable) -> Callable:
-    """observe(answers, cases) of a check in this process."""
-    return lambda answers, cases: [[run_case(answer, case) for case in cases] for answer in answers]
-
-
 def _route_cases(**columns: Callable) -> list[dict]:
     """The routings in ep = 4, then in ep = 2 (the rows of a table); `columns`: more of them, from the routing."""
     return [dict(ep=ep, case=route[0].format(gap=2 % ep), **{k: f(route) for k, f in columns.items()}, _seed=seed,
@@ -505,7 +500,7 @@ def permute_rows_by_slot(tokens, expert_ids, num_experts):
 
 
 PERMUTE = Check(
-    "permute", observe=_in_process(_permuted), expect=_expect_permute, course=COURSE, only=ONLY,
+    "permute", observe=observe_in_process(_permuted), expect=_expect_permute, course=COURSE, only=ONLY,
     note="one process; tokens (T, h) with requires_grad, expert_ids (T, k). Expected: rows (T k, h) grouped by "
          "expert, rows[i] = tokens[order[i] // k], order a permutation of the slots 0..T k - 1 (slot t k + j = "
          "token t's j-th choice), counts (E,) = rows per expert; rows differentiable",
@@ -1378,7 +1373,7 @@ def _variant(name: str, **choices) -> Callable:
 
 
 CAPACITY = Check(
-    "capacity_moe", observe=_in_process(_capacity_seen), expect=_expect_capacity, course=COURSE, only=ONLY,
+    "capacity_moe", observe=observe_in_process(_capacity_seen), expect=_expect_capacity, course=COURSE, only=ONLY,
     note="one process; x (T, h), expert_ids (T, k), gates (T, k), experts: E functions (n, h) -> (n, h) that note "
          "their calls. Compared with a loop over the slots in priority order and over the tokens (float64); "
          "gradients of sum(out * u) for a fixed u. per expert: kept slots of experts 0, 1, ...",

@@ -41,7 +41,8 @@ from typing import Callable
 import torch
 
 from picotron_course.checks import mismatch
-from picotron_course.engine import AtMost, Check, Close, Exact, Misconception, Quantity, named, per_case
+from picotron_course.engine import (AtMost, Check, Close, Exact, Misconception, Quantity, named, observe_in_process,
+                                    per_case)
 
 __all__ = ["check_tensorwise", "check_rowwise", "check_float8_matmul", "check_float8_linear", "check_delayed_scaler",
            "ref_quantize_tensorwise", "ref_quantize_rowwise", "ref_dequantize", "E4M3", "E5M2",
@@ -139,11 +140,6 @@ def _call(fn: Callable, *args) -> tuple:
 def _raised(said: str) -> str:
     """What _call said, when it is what the call raised; "" otherwise."""
     return said if said.startswith("it raised") else ""
-
-
-def _in_process(seen: Callable) -> Callable:
-    """observe in this process: seen(answer, case) of every answer on every case."""
-    return lambda answers, cases: [[seen(answer, case) for case in cases] for answer in answers]
 
 
 def _one(scale: torch.Tensor) -> torch.Tensor:
@@ -264,7 +260,8 @@ def dequantize_divides(q, scale):
 MULTIPLY = "dequantize multiplies: x = q * scale (q.float() * scale), the inverse of q = x / scale"
 
 TENSORWISE = Check(
-    "tensorwise", observe=_in_process(_quantized), expect=_expect_quantized, course=COURSE, only=ONLY, columns=_columns,
+    "tensorwise", observe=observe_in_process(_quantized), expect=_expect_quantized, course=COURSE, only=ONLY,
+    columns=_columns,
     note="one process. scale = amax(|x|) / max(dtype) as a float32 tensor (or the scale given), q = "
          "clamp(x / scale, -max, max).to(dtype); err/bound: largest |x - dequantize(q, scale)| over half a gap",
     cases=[dict(case=name, dtype=dtype, _x=x, _given=given) for name, x, dtype, given in [
@@ -303,7 +300,8 @@ def check_tensorwise(quantize_tensorwise: Callable, dequantize: Callable) -> Non
 
 
 ROWWISE = Check(
-    "rowwise", observe=_in_process(_quantized), expect=_expect_quantized, course=COURSE, only=ONLY, columns=_columns,
+    "rowwise", observe=observe_in_process(_quantized), expect=_expect_quantized, course=COURSE, only=ONLY,
+    columns=_columns,
     note="one process. scale[i] = amax(|x[i, :]|) / max(dtype), shape (M, 1), float32; q = clamp(x / scale, "
          "-max, max).to(dtype). 'others kept': with one row 1000x larger, the other rows quantize as without it",
     cases=[dict(case=name, dtype=dtype, _x=x, _spike=spike) for name, x, dtype, spike in [
@@ -351,7 +349,7 @@ def _expect_matmul(case: dict, observed: dict) -> dict:
 
 _A, _B, _GRAD = _data((24, 96), 11), _data((40, 96), 12, spread=False) * 0.05, _data((24, 40), 13) * 1e-6
 FLOAT8_MATMUL = Check(
-    "float8_matmul", observe=_in_process(_matmul_seen), expect=_expect_matmul, course=COURSE, only=ONLY,
+    "float8_matmul", observe=observe_in_process(_matmul_seen), expect=_expect_matmul, course=COURSE, only=ONLY,
     note="one process. Expected: dequantize(quantize(a, a_dtype)) @ dequantize(quantize(b, b_dtype)).T in float32 "
          "(what torch._scaled_mm computes); 'vs fp32': relative error against a @ b.T, "
          f"<= {FORWARD_TOL} (e4m3 x e4m3) or {E5M2_TOL} (with e5m2)",
@@ -461,7 +459,7 @@ class _Linear(torch.autograd.Function):
 
 
 FLOAT8_LINEAR = Check(
-    "float8_linear", observe=_in_process(_linear_seen), expect=_expect_linear, course=COURSE, only=ONLY,
+    "float8_linear", observe=observe_in_process(_linear_seen), expect=_expect_linear, course=COURSE, only=ONLY,
     note="one process. Expected: forward x W^T from e4m3 copies, backward dy W and dy^T x with dy in e5m2, each "
          "product as in float8_matmul. 'vs bf16': largest relative error of y, dx, dW against bf16 matmuls, "
          f"<= {FORWARD_TOL} for y and {E5M2_TOL} for the gradients",

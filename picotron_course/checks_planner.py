@@ -41,7 +41,7 @@ from picotron.costs import training_flops_per_token
 from picotron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from picotron.layout import validate
 from picotron_course.checks import on_ranks, refusing
-from picotron_course.engine import Check, Exact, Misconception, Quantity, named
+from picotron_course.engine import Check, Exact, Misconception, Quantity, named, observe_in_process
 from picotron.memory import (
     GiB, activation_bytes_on_rank, estimate_memory, estimate_memory_per_stage, parameters_on_rank,
     state_bytes_on_rank)
@@ -200,12 +200,10 @@ class _Count(Exact):
             super().shown(got, want)
 
 
-def _observe_params(answers: list, cases: list) -> list:
-    def one(answer, case):
-        with _guarded(PARAMS, answer, ANSWERS):
-            got = answer(dataclasses.replace(case["_model"]), case["_layout"])
-        return {"returned": "an int" if isinstance(got, int) else f"a {type(got).__name__}", "count": got}
-    return [[one(answer, case) for case in cases] for answer in answers]
+def _params_seen(answer, case) -> dict:
+    with _guarded(PARAMS, answer, ANSWERS):
+        got = answer(dataclasses.replace(case["_model"]), case["_layout"])
+    return {"returned": "an int" if isinstance(got, int) else f"a {type(got).__name__}", "count": got}
 
 
 def _params_off(name: str, off: Callable) -> Callable:
@@ -217,8 +215,8 @@ def _vocab(model: ModelConfig, layout: Layout) -> int:
 
 
 PARAMS = Check(
-    "params_on_first_stage", observe=_observe_params, note="expected: memory.parameters_on_rank(model, parallel, "
-                                                            "pp_rank=0)",
+    "params_on_first_stage", observe=observe_in_process(_params_seen),
+    note="expected: memory.parameters_on_rank(model, parallel, pp_rank=0)",
     cases=[dict(case=name, _model=model, _layout=layout) for name, model, layout, _, _ in MEMORY_CASES],
     expect=lambda case, got: {"returned": "an int", "count": _params(case["_model"], case["_layout"])},
     columns=lambda case, got: {"expected": f"{_params(case['_model'], case['_layout']):,}",
@@ -433,14 +431,12 @@ def _planner_seconds(model, layout, cluster, seq, batch) -> _Seconds:
 
 
 def _observe_times(check: Callable) -> Callable:
-    def observe(answers: list, cases: list) -> list:
-        def one(answer, case):
-            with _guarded(check(), answer, TIME_ANSWERS):
-                got = answer(dataclasses.replace(case["_model"]), case["_layout"], case["_cluster"], case["_seq"],
-                             case["_batch"])
-            return {"returned": _kind(got), "seconds": got}
-        return [[one(answer, case) for case in cases] for answer in answers]
-    return observe
+    def one(answer, case):
+        with _guarded(check(), answer, TIME_ANSWERS):
+            got = answer(dataclasses.replace(case["_model"]), case["_layout"], case["_cluster"], case["_seq"],
+                         case["_batch"])
+        return {"returned": _kind(got), "seconds": got}
+    return observe_in_process(one)
 
 
 def _time_check(title: str, cases: list, says: str, misconceptions: list) -> Check:
@@ -577,20 +573,18 @@ class _Told(Exact):
         return str(got)
 
 
-def _observe_best(answers: list, cases: list) -> list:
-    def one(answer, case):
-        priced, cluster = _priced(case), case["_cluster"]
-        with _guarded(BEST, answer, ANSWERS):
-            got = answer(dataclasses.replace(case["_model"]), cluster, case["_seq"], case["_batch"])
-        if got not in priced:
-            return {"returned": f"{got!r}"[:60]}
-        memory, seconds = priced[got]
-        step = _Step(seconds)
-        step.name = layout_name(got)
-        return {"returned": "one of candidate_layouts", "fits": "fits" if memory <= 0.9 * cluster.gpu_memory else (
-            f"{layout_name(got)} needs {memory / GiB:.1f} GiB on a first-stage GPU, more than 90% of "
-            f"{cluster.gpu_memory / 1e9:.0f} GB"), "seconds": step}
-    return [[one(answer, case) for case in cases] for answer in answers]
+def _best_seen(answer, case) -> dict:
+    priced, cluster = _priced(case), case["_cluster"]
+    with _guarded(BEST, answer, ANSWERS):
+        got = answer(dataclasses.replace(case["_model"]), cluster, case["_seq"], case["_batch"])
+    if got not in priced:
+        return {"returned": f"{got!r}"[:60]}
+    memory, seconds = priced[got]
+    step = _Step(seconds)
+    step.name = layout_name(got)
+    return {"returned": "one of candidate_layouts", "fits": "fits" if memory <= 0.9 * cluster.gpu_memory else (
+        f"{layout_name(got)} needs {memory / GiB:.1f} GiB on a first-stage GPU, more than 90% of "
+        f"{cluster.gpu_memory / 1e9:.0f} GB"), "seconds": step}
 
 
 def _fastest(case: dict) -> _Step:
@@ -612,7 +606,7 @@ def best_always_data_parallel(model, cluster, seq, batch):
 
 
 BEST = Check(
-    "best_layout", observe=_observe_best,
+    "best_layout", observe=observe_in_process(_best_seen),
     note="expected: the planner's fastest layout of candidate_layouts whose first stage fits in 90% of a GPU "
          "(overlap=False, sends left out); yours must fit and be as fast (1%)",
     cases=[dict(case=name, _model=model, _cluster=cluster, _seq=seq, _batch=batch)

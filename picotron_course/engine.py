@@ -43,8 +43,8 @@ from picotron_course import settings
 from picotron_course.checks import not_the_course_answer
 from picotron_course.checks import on_ranks as launch
 
-__all__ = ["Quantity", "Exact", "Count", "AtMost", "Said", "Close", "per_case", "InTraining", "Within", "Misconception", "Check", "CHECKS",
-           "named", "observe_on_ranks", "world_and_halves", "by_rank"]
+__all__ = ["Quantity", "Exact", "Count", "AtMost", "Said", "Close", "per_case", "InTraining", "Within", "Misconception",
+           "Check", "CHECKS", "named", "observe_in_process", "observe_on_ranks", "world_and_halves", "by_rank"]
 
 CHECKS: list["Check"] = []   # every check declared, in the order its module was imported
 
@@ -323,7 +323,14 @@ def named(name: str, answer: Callable) -> Callable:
     return answer
 
 
-# ---- observations made on ranks ----------------------------------------------------------------
+# ---- where observations are made ---------------------------------------------------------------
+def observe_in_process(run_case: Callable) -> Callable:
+    """observe(answers, cases) in this process: run_case(answer, case) -> what it saw, of every answer on every
+    case."""
+    return lambda answers, cases: [[run_case(answer, case) for case in cases] for answer in answers]
+
+
+
 def observe_on_ranks(world: int, run_case: Callable, groups: Callable | None = None, key: str = "",
                      deadlock: str = "") -> Callable:
     """observe(answers, cases) on `world` ranks: one launch runs every answer on every case, as [answer][case] dicts
