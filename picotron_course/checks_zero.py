@@ -16,12 +16,11 @@ batch, its gradients cut into the shards each rank should own. Nothing here uses
 
 and `zero1_write_back_demo()`, the predict-then-run problem (ZeRO-1 without the all-gather back).
 
-On the ranks, `recorded_collectives` notes every collective call (operation, payload bytes, reduction, group
-size): the checks compare them, in words, with the calls expected. It refuses (WrongCollectiveUse, with what to
-fix) the calls that would crash or hang; `_Guard` a module about to compute with parameters that have no memory;
-the stretch's `_Timeline`, which records the order of the units' events, a unit computing before its all-gather
-was waited or freed while it is in flight. The misconceptions after each check are wrong answers learners write,
-with the hint each should read; `_Zero1`, `_Unit` and `_Prefetch` are the correct bases they change.
+On the ranks, `recorded_collectives` notes every collective call, compared in words with the calls expected, and
+refuses (WrongCollectiveUse, with what to fix) those that would crash or hang; `_Guard` and the stretch's
+`_Timeline` refuse a unit that computes without memory, or before its all-gather was waited. After each check come
+its misconceptions, wrong answers learners write with the hint each should read; `_Zero1`, `_Unit` and `_Prefetch`
+are the correct bases they change.
 """
 
 from __future__ import annotations
@@ -40,10 +39,10 @@ from torch import nn
 from picotron import tolerance
 from picotron.config import ModelConfig
 from picotron.model import Llama, loss_fn
-from picotron_course import settings
 from picotron_course.checks import collectives_observed, on_ranks, one_thread
 from picotron_course.checks import patched, reduce_name
-from picotron_course.engine import Check, Close, Exact, InTraining, Misconception, Said, Within, by_rank, per_case
+from picotron_course.engine import (Check, Close, Exact, InTraining, Misconception, Said, Within, named,
+                                    observe_on_ranks, per_case, world_and_halves)
 
 __all__ = ["check_shard_range", "check_zero1", "check_zero3_forward", "check_zero3_training", "check_clip_grad_norm",
            "check_zero3_prefetch", "zero1_write_back_demo", "recorded_collectives", "unit_params", "prefetch_units",
@@ -72,35 +71,28 @@ AVG = dist.ReduceOp.AVG
 
 
 # ---- running the answers on the ranks ----------------------------------------------------------
-def _on_ranks(fn: Callable, after: Callable | None = None, data: Callable | None = None, deadlock: str = ""):
-    """observe: fn(answer, case, at) of every answer on every case (_each; with data, fn(answers, cases, data())),
-    on WORLD ranks in one launch, as [answer][case] dicts of lists over the ranks; after(got, case) makes what is
-    compared of them. deadlock: what to say when the ranks time out (else the TimeoutError goes through)."""
-    def observe(answers: list, cases: list) -> list:
-        try:
-            per_rank = (on_ranks(fn, WORLD, answers, cases, data()) if data else
-                        on_ranks(_each, WORLD, fn, answers, cases))
-        except TimeoutError as e:
-            if not deadlock:
-                raise
-            raise AssertionError(deadlock.format(timeout=settings.check_timeout) + str(e).splitlines()[0]) from None
-        return [[after(got, case) if after else got for got, case in zip(one, cases)] for one in by_rank(per_rank)]
-    return observe
+def _on_ranks(run_case: Callable, after: Callable | None = None, deadlock: str = "", **groups) -> Callable:
+    """observe (engine.observe_on_ranks, `groups` its groups and key): run_case(answer, case, at, *groups) of every
+    answer on every case on WORLD ranks in one launch, as [answer][case] dicts of lists over the ranks; after(got,
+    case) makes what is compared of them. A rank that refuses a call (WrongCollectiveUse) observes only "refused":
+    where it was (at["where"]), then what it said."""
+    observe = observe_on_ranks(WORLD, functools.partial(_refusing, run_case), deadlock=deadlock, **groups)
+    return lambda answers, cases: [[after(got, case) if after else got for got, case in zip(one, cases)]
+                                   for one in observe(answers, cases)]
 
 
-def _each(observe_case: Callable, answers: list, cases: list) -> list:
-    """On a rank: observe_case(answer, case, at) of every answer on every case, "refused" the message of what
-    the rank refused (WrongCollectiveUse), after at["where"], where it was."""
-    out = []
-    for answer in answers:
-        out.append([])
-        for case in cases:
-            at = {"where": ""}
-            try:
-                out[-1].append({"refused": "", **observe_case(answer, case, at)})
-            except WrongCollectiveUse as e:
-                out[-1].append({"refused": f"{at['where']}{e}"})
-    return out
+def _refusing(run_case: Callable, answer, case: dict, *groups) -> dict:
+    at = {"where": ""}
+    try:
+        return {"refused": "", **run_case(answer, case, at, *groups)}
+    except WrongCollectiveUse as e:
+        return {"refused": f"{at['where']}{e}"}
+
+
+def _variant(base: type, name: str, **changed) -> type:
+    """A misconception written as the correct `base` with one method or attribute changed (as engine.named writes
+    a lambda), under `name`: assigned to that name in this module, the ranks import it as they do a class."""
+    return type(name, (base,), {"__module__": __name__, "__qualname__": name, **changed})
 
 
 # ---- recording the collectives a rank makes ---------------------------------------------------
@@ -424,6 +416,8 @@ def _zero1_columns(case: dict, got: dict) -> dict:
 class _Zero1:
     """The correct Zero1 the misconceptions below change (refused as an answer): parameters and gradients are
     views of two padded flat buffers; AdamW over this rank's slice."""
+    Optimizer = torch.optim.AdamW   # the write-back demo's: _AdamW, which does not import torch._dynamo
+    op = AVG                        # the reduction of the gradients (Zero1Sums: SUM)
 
     def __init__(self, model, group, lr):
         self.group, world, rank = group, dist.get_world_size(group), dist.get_rank(group)
@@ -433,7 +427,7 @@ class _Zero1:
         self.flat_params, self.flat_grads = _viewed(params, world * size, "data", "grad")
         self.mine = slice(rank * size, (rank + 1) * size)
         self.param_shard = nn.Parameter(self.flat_params[self.mine].clone())
-        self.optimizer = torch.optim.AdamW([self.param_shard], lr=lr)
+        self.optimizer = self.Optimizer([self.param_shard], lr=lr)
 
     def step(self):
         self.param_shard.grad = self.reduce(self.flat_grads)
@@ -442,7 +436,7 @@ class _Zero1:
 
     def reduce(self, flat):
         shard = torch.empty_like(self.param_shard)
-        dist.reduce_scatter_tensor(shard, flat, op=AVG, group=self.group)
+        dist.reduce_scatter_tensor(shard, flat, op=self.op, group=self.group)
         return shard
 
     def gather(self):
@@ -464,16 +458,6 @@ class Zero1WholeModel(_Zero1):
         self.optimizer.step()
 
 
-class Zero1NoDetach(_Zero1):
-    def gather(self):  # param_shard requires grad: torch refuses to write it into flat_params' views
-        dist.all_gather_into_tensor(self.flat_params, self.param_shard, group=self.group)
-
-
-class Zero1Unpadded(_Zero1):
-    def reduce(self, flat):  # the gradients of the parameters only, without the padding
-        return super().reduce(flat[:self.numel])
-
-
 class Zero1AllReduce(_Zero1):
     def reduce(self, flat):
         dist.all_reduce(flat, op=AVG, group=self.group)  # the whole mean everywhere, then a slice of it
@@ -485,11 +469,12 @@ class Zero1NoAllGather(_Zero1):
         self.flat_params[self.mine] = self.param_shard.detach()
 
 
-class Zero1Sums(_Zero1):
-    def reduce(self, flat):
-        shard = torch.empty_like(self.param_shard)
-        dist.reduce_scatter_tensor(shard, flat, group=self.group)  # sum, never divided
-        return shard
+# param_shard requires grad: torch refuses to write it into flat_params' views
+Zero1NoDetach = _variant(_Zero1, "Zero1NoDetach", gather=lambda self: dist.all_gather_into_tensor(
+    self.flat_params, self.param_shard, group=self.group))
+# the gradients of the parameters only, without the padding
+Zero1Unpadded = _variant(_Zero1, "Zero1Unpadded", reduce=lambda self, flat: _Zero1.reduce(self, flat[:self.numel]))
+Zero1Sums = _variant(_Zero1, "Zero1Sums", op=dist.ReduceOp.SUM)   # sum, never divided
 
 
 ZERO1 = Check(
@@ -593,13 +578,7 @@ def _build_units(check: Check, Zero3Unit: type, model: Llama, guard: _Guard) -> 
 
 def _held(units: list) -> int:
     """Bytes of memory behind the units' full parameters (each storage counted once)."""
-    storages = {}
-    for unit in units:
-        for p in unit.params:
-            storage = p.untyped_storage()
-            if storage.nbytes():
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for u in units for p in u.params}.values())
 
 
 def _forward_case(Zero3Unit: type, case: dict, at: dict) -> dict:
@@ -621,6 +600,7 @@ def _expect_forward(case: dict, observed: dict) -> dict:
 class _Unit:
     """The correct Zero3Unit the misconceptions below change (refused as an answer): one module's parameters as
     views of a padded flat buffer; this rank keeps 1/N of it."""
+    op = AVG   # the reduction of the gradients (UnitSums: SUM)
 
     def __init__(self, module, params, group):
         self.module, self.params, self.group = module, list(params), group
@@ -667,7 +647,7 @@ class _Unit:
 
     def scatter(self, flat):
         shard = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(shard, flat, op=AVG, group=self.group)
+        dist.reduce_scatter_tensor(shard, flat, op=self.op, group=self.group)
         return shard
 
     def drop(self):
@@ -675,19 +655,12 @@ class _Unit:
             p.grad = None
 
 
-class UnitNeverFrees(_Unit):
-    def free(self):
-        pass
-
-
-class UnitGathersIntoFreedMemory(_Unit):
-    def gather(self):  # forgets to give the buffer its memory back
-        dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)
-
-
-class UnitNoForwardGather(_Unit):
-    def hook_forward(self):
-        self.module.register_forward_hook(self.post_forward)
+UnitNeverFrees = _variant(_Unit, "UnitNeverFrees", free=lambda self: None)
+# forgets to give the buffer its memory back
+UnitGathersIntoFreedMemory = _variant(_Unit, "UnitGathersIntoFreedMemory", gather=lambda self: (
+    dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)))
+UnitNoForwardGather = _variant(_Unit, "UnitNoForwardGather",
+                               hook_forward=lambda self: self.module.register_forward_hook(self.post_forward))
 
 
 FORWARD = Check(
@@ -736,19 +709,35 @@ NO_GRAD = "None (reduce_scatter_grads must put the averaged gradient shard in un
 PASSES = sum(_micro_batches(step) for step in range(ZERO3_STEPS))   # forwards and backwards, one per micro-batch
 
 
-def _train_units(name: str, units: list, one_pass) -> dict:
+def _train_units(model: Llama, name: str, units: list, at: dict, guard: _Guard) -> dict:
     """ZERO3_STEPS AdamW steps over the units' shards, the last over ACCUMULATE micro-batches, with what the
     ZeRO-3 checks compare: the first logits, each step's loss and gradient shards, each pass's collectives, the
     bytes held after it and the full gradients left in p.grad, and this rank's part of the final weights (its
-    shards without the padding). `one_pass(part, micro, where)` runs one micro-batch's forward and backward
-    under the check's recorders and returns (loss, output, recorded calls)."""
+    shards without the padding). Each micro-batch's forward and backward run under the recorders and the guard
+    (the stretch's timeline, when it is one), `at` saying where they are."""
     rank, optimizer = dist.get_rank(), torch.optim.AdamW([unit.shard for unit in units], lr=LR)
     got = {"logits": None, "losses": [], "grads": [], "collectives": [], "held": [], "full grads": []}
+    timeline = guard if isinstance(guard, _Timeline) else None
+
+    def phase(name: str, where: str, run: Callable):
+        at["where"] = f"{where}, {name}: "
+        if timeline:
+            timeline.begin(name, where)
+        result = run()
+        if timeline:
+            timeline.finish()
+        return result
+
     for step in range(ZERO3_STEPS):
         micro = _micro_batches(step)
         step_loss = 0.0
         for i, part in enumerate(_tokens(name, step, rank).chunk(micro)):  # no zero_grad in between
-            loss, output, calls = one_pass(part, micro, f"step {step}" + (f", micro-batch {i}" if micro > 1 else ""))
+            where = f"step {step}" + (f", micro-batch {i}" if micro > 1 else "")
+            frees = timeline.guard_frees() if timeline else nullcontext()
+            with recorded_collectives(timeline and timeline.observe) as calls, guard.reads(), frees:
+                output = phase("forward", where, lambda: model(part[:, :-1]))
+                loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
+                phase("backward", where, loss.backward)
             if got["logits"] is None:
                 got["logits"] = output.detach().clone()
             step_loss += loss.item()
@@ -775,31 +764,7 @@ def _trained(got: dict, case: dict) -> dict:
 def _train_case(Zero3Unit: type, case: dict, at: dict) -> dict:
     model, guard = _model(case["model"]), _Guard()
     units = _build_units(TRAINING, Zero3Unit, model, guard)
-    return _train_units(case["model"], units, _one_pass(model, at, guard))
-
-
-def _one_pass(model: Llama, at: dict, guard: _Guard):
-    """_train_units' one_pass: a micro-batch's forward and backward under the recorders and the guard (the
-    stretch's timeline, when it is one), `at` saying where they are."""
-    timeline = guard if isinstance(guard, _Timeline) else None
-
-    def phase(name: str, where: str, run: Callable):
-        at["where"] = f"{where}, {name}: "
-        if timeline:
-            timeline.begin(name, where)
-        result = run()
-        if timeline:
-            timeline.finish()
-        return result
-
-    def one_pass(part, micro, where):
-        frees = timeline.guard_frees() if timeline else nullcontext()
-        with recorded_collectives(timeline and timeline.observe) as calls, guard.reads(), frees:
-            output = phase("forward", where, lambda: model(part[:, :-1]))
-            loss = loss_fn(output, part[:, 1:]) / micro   # equal sizes: mean of means
-            phase("backward", where, loss.backward)
-        return loss, output, calls
-    return one_pass
+    return _train_units(model, case["model"], units, at, guard)
 
 
 def _expect_training(layout: Callable = None) -> Callable:
@@ -834,19 +799,13 @@ TRAINED = {   # what a ZeRO-3 training run is compared by, after anything a rank
                       "process's", atol=WEIGHT_TOL, axes=("unit {}",))}
 
 
-class UnitNoBackwardGather(_Unit):
-    def post_forward(self, module, args, output):
-        self.free()
-
-
-class UnitUnpadded(_Unit):
-    def flat_grad(self):
-        return torch.cat([p.grad.reshape(-1) for p in self.params])
-
-
-class UnitKeepsFullGrads(_Unit):
-    def drop(self):  # the p.grad stay: a full gradient on every rank
-        pass
+UnitNoBackwardGather = _variant(_Unit, "UnitNoBackwardGather",
+                                post_forward=lambda self, module, args, output: self.free())
+UnitUnpadded = _variant(_Unit, "UnitUnpadded",
+                        flat_grad=lambda self: torch.cat([p.grad.reshape(-1) for p in self.params]))
+# the p.grad stay: a full gradient on every rank
+UnitKeepsFullGrads = _variant(_Unit, "UnitKeepsFullGrads", drop=lambda self: None)
+UnitSums = _variant(_Unit, "UnitSums", op=dist.ReduceOp.SUM)   # sum, never divided
 
 
 class UnitAllReduce(_Unit):
@@ -854,13 +813,6 @@ class UnitAllReduce(_Unit):
         dist.all_reduce(flat, op=AVG, group=self.group)
         rank, size = dist.get_rank(self.group), self.shard.numel()
         return flat[rank * size:(rank + 1) * size].clone()
-
-
-class UnitSums(_Unit):
-    def scatter(self, flat):
-        shard = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(shard, flat, group=self.group)  # sum, never divided
-        return shard
 
 
 class UnitOverwritesGrad(_Unit):
@@ -942,35 +894,24 @@ def _torch_clip(row: int) -> tuple[float, list[torch.Tensor]]:
     return torch.nn.utils.clip_grad_norm_(params, max_norm).item(), [p.grad for p in params]
 
 
-def _clip_on_rank(answers: list, cases: list, data: list) -> list:
-    rank, groups, out = dist.get_rank(), {}, []
-    for case in cases:          # every rank makes every group, in the same order
-        members = tuple(case["ranks"])
-        if members not in groups:
-            groups[members] = dist.group.WORLD if len(members) == WORLD else dist.new_group(list(members))
-    for clip in answers:
-        out.append([])
-        for case, (buffers, max_norm) in zip(cases, data):
-            members, got = case["ranks"], {"refused": "", "collectives": None, "norm": None, "grads": None}
-            if rank in members:   # the other ranks sit this row out: their group has its own row
-                world, place, shards = len(members), members.index(rank), []
-                for flat in buffers:
-                    k = -(-flat.numel() // world)
-                    padded = torch.full((world * k,), JUNK)
-                    padded[:flat.numel()] = flat
-                    shards.append(nn.Parameter(torch.zeros(k)))                # (k,): this rank's parameter shard
-                    shards[-1].grad = padded[place * k:(place + 1) * k].clone()  # its gradient, padding and all
-                try:
-                    with recorded_collectives() as calls:
-                        norm = clip(shards, [flat.numel() for flat in buffers], max_norm, groups[tuple(members)])
-                    got.update(norm=_as_number(norm), grads=[s.grad if s.grad is None else s.grad.detach().clone()
-                                                             for s in shards],
-                               collectives=_counted(f"{c.op}{f' ({c.reduce})' if c.reduce else ''} of {c.numel} number"
-                                                  f"{'s' * (c.numel != 1)} over {c.ranks} ranks" for c in calls))
-                except WrongCollectiveUse as e:
-                    got["refused"] = str(e)
-            out[-1].append(got)
-    return out
+def _clip_case(clip: Callable, case: dict, at: dict, group) -> dict:
+    """One rank's row: its shards of the row's buffers (the parent's _clip_cases, made again here), their padding
+    filled with JUNK; what clip returned, the gradients after it and the collectives it made."""
+    members, rank, (buffers, max_norm) = case["ranks"], dist.get_rank(), _clip_cases()[case["_row"]]
+    if rank not in members:   # the other ranks sit this row out: their group has its own row
+        return {}
+    world, place, shards = len(members), members.index(rank), []
+    for flat in buffers:
+        k = -(-flat.numel() // world)
+        padded = torch.full((world * k,), JUNK)
+        padded[:flat.numel()] = flat
+        shards.append(nn.Parameter(torch.zeros(k)))                # (k,): this rank's parameter shard
+        shards[-1].grad = padded[place * k:(place + 1) * k].clone()  # its gradient, padding and all
+    with recorded_collectives() as calls:
+        norm = clip(shards, [flat.numel() for flat in buffers], max_norm, group)
+    return {"norm": _as_number(norm), "grads": [s.grad if s.grad is None else s.grad.detach().clone() for s in shards],
+            "collectives": _counted(f"{c.op}{f' ({c.reduce})' if c.reduce else ''} of {c.numel} number"
+                                    f"{'s' * (c.numel != 1)} over {c.ranks} ranks" for c in calls)}
 
 
 def _as_number(value):
@@ -985,7 +926,8 @@ def _as_number(value):
 def _clipped(got: dict, case: dict) -> dict:
     """The group's ranks only; their gradients put together, without the padding."""
     members, (buffers, _) = case["ranks"], _clip_cases()[case["_row"]]
-    got = {key: [values[rank] for rank in members] for key, values in got.items()}
+    got = {key: [got.get(key, [None] * WORLD)[rank] for rank in members]
+           for key in ("refused", "collectives", "norm", "grads")}
     if got["grads"][0] is not None:
         pieces = list(zip(*got["grads"]))
         got["grads"] = [torch.cat(piece)[:flat.numel()] if all(g is not None and g.shape == (-(-flat.numel() //
@@ -1012,6 +954,15 @@ def _squares(shards, numels, rank):
     return sum(_real(shard, numel, rank).pow(2).sum() for shard, numel in zip(shards, numels))
 
 
+def _norm(shards, numels, group, rank=None, op=dist.ReduceOp.SUM, whole_world=False, reduced=True) -> float:
+    """The global norm of sharded gradients: this rank's sum of the squares of its shards' real elements (`rank`:
+    its place in `group`), all-reduced (sum) over `group`, then the root. The other arguments are records' mistakes."""
+    total = _squares(shards, numels, dist.get_rank(group) if rank is None else rank)
+    if reduced:
+        dist.all_reduce(total, op=op, group=None if whole_world else group)
+    return total.sqrt().item()
+
+
 def _clip_with(shards, norm, max_norm, clamp=True):
     coefficient = max_norm / (norm + CLIP_EPS)
     for shard in shards:
@@ -1019,10 +970,10 @@ def _clip_with(shards, norm, max_norm, clamp=True):
     return norm
 
 
-def _norm(shards, numels, group):
-    total = _squares(shards, numels, dist.get_rank(group))
-    dist.all_reduce(total, group=group)
-    return total.sqrt().item()
+def _clip(shards, numels, max_norm, group, clamp=True, **mistake) -> float:
+    """The correct clip the records below change: the global norm (_norm), every shard.grad scaled in place by
+    min(1, max_norm / (norm + 1e-6)) (clamp=False: the coefficient alone), the norm returned."""
+    return _clip_with(shards, _norm(shards, numels, group, **mistake), max_norm, clamp)
 
 
 def clip_gathers(shards, numels, max_norm, group):
@@ -1032,10 +983,6 @@ def clip_gathers(shards, numels, max_norm, group):
         dist.all_gather_into_tensor(full, s.grad, group=group)  # the whole gradient, to every rank
         total += full[:n].pow(2).sum().item()
     return _clip_with(shards, total ** 0.5, max_norm)
-
-
-def clip_local_norm(shards, numels, max_norm, group):
-    return _clip_with(shards, _squares(shards, numels, dist.get_rank(group)).sqrt().item(), max_norm)  # this rank's
 
 
 def clip_per_buffer(shards, numels, max_norm, group):
@@ -1053,57 +1000,18 @@ def clip_reduces_two_numbers(shards, numels, max_norm, group):
     return _clip_with(shards, both[0].sqrt().item(), max_norm)
 
 
-def clip_averages(shards, numels, max_norm, group):
-    total = _squares(shards, numels, dist.get_rank(group))
-    dist.all_reduce(total, op=AVG, group=group)
-    return _clip_with(shards, total.sqrt().item(), max_norm)
-
-
-def clip_whole_world(shards, numels, max_norm, group):
-    total = _squares(shards, numels, dist.get_rank(group))
-    dist.all_reduce(total)                                       # forgot group=: every rank of the world
-    return _clip_with(shards, total.sqrt().item(), max_norm)
-
-
 def clip_sums_norms(shards, numels, max_norm, group):
     local = _squares(shards, numels, dist.get_rank(group)).sqrt()
     dist.all_reduce(local, group=group)                          # sum of the ranks' norms
     return _clip_with(shards, local.item(), max_norm)
 
 
-def clip_counts_padding(shards, numels, max_norm, group):
-    total = sum(shard.grad.pow(2).sum() for shard in shards)   # the padding's junk too
-    dist.all_reduce(total, group=group)
-    return _clip_with(shards, total.sqrt().item(), max_norm)
-
-
-def clip_returns_square(shards, numels, max_norm, group):
-    norm = _norm(shards, numels, group)
-    _clip_with(shards, norm, max_norm)
-    return norm ** 2
-
-
-def clip_global_rank(shards, numels, max_norm, group):
-    total = _squares(shards, numels, dist.get_rank())            # the rank in the world, not in the group
-    dist.all_reduce(total, group=group)
-    return _clip_with(shards, total.sqrt().item(), max_norm)
-
-
-def clip_forgets_to_scale(shards, numels, max_norm, group):
-    norm = _norm(shards, numels, group)
-    [shard.grad * min(1.0, max_norm / (norm + CLIP_EPS)) for shard in shards]   # computed, never stored
-    return norm
-
-
-def clip_never_clamps(shards, numels, max_norm, group):
-    return _clip_with(shards, _norm(shards, numels, group), max_norm, clamp=False)
-
-
 CLIP = Check(
-    "clip_grad_norm_sharded", observe=_on_ranks(_clip_on_rank, _clipped, data=_clip_cases), expect=_expect_clip,
+    "clip_grad_norm_sharded", observe=_on_ranks(_clip_case, _clipped, groups=world_and_halves, key="_world"),
+    expect=_expect_clip,
     note=(f"{WORLD} ranks; each rank's shards of flat gradient buffers, their padding filled with {JUNK:g}; "
           "expected: torch.nn.utils.clip_grad_norm_ on the unpadded buffers, in one process"),
-    cases=[dict(case=case, ranks=ranks, _row=row) for row, (case, ranks) in enumerate([
+    cases=[dict(case=case, ranks=ranks, _row=row, _world=len(ranks)) for row, (case, ranks) in enumerate([
         ("odd model's units, clipped", [0, 1, 2, 3]), ("odd model's units, below max_norm", [0, 1, 2, 3]),
         ("buffers of 3, 13 and 1", [0, 1, 2, 3]), ("two groups of 2", [0, 1]), ("two groups of 2", [2, 3])])],
     columns=lambda case, got: {"numels": str([flat.numel() for flat in _clip_cases()[case["_row"]][0]]),
@@ -1124,29 +1032,36 @@ CLIP = Check(
     misconceptions=[
         Misconception(clip_gathers, "the norm needs one number from each rank, the sum of the squares of its shards' "
                                     "real elements; gathering gradients moves the whole buffer to compute it"),
-        Misconception(clip_local_norm, "each rank holds only its shards, so its sum of squares is a part of the "
-                                       "total: all-reduce (sum) it over `group`, then take the square root"),
+        Misconception(named("clip_local_norm", lambda *args: _clip(*args, reduced=False)),   # this rank's part only
+                      "each rank holds only its shards, so its sum of squares is a part of the total: all-reduce (sum) "
+                      "it over `group`, then take the square root"),
         Misconception(clip_per_buffer, "make one all-reduce, for every buffer at once: add up the squares of all the "
                                        "shards first. An all-reduce of one number costs a latency, and it is paid "
                                        "once"),
         Misconception(clip_reduces_two_numbers, "one number is enough: all-reduce this rank's sum of squares over all "
                                                 "its shards, a tensor of one element"),
-        Misconception(clip_averages, "the all-reduce used op=AVG: the squares of the ranks' shards add up "
-                                     "(ReduceOp.SUM)"),
-        Misconception(clip_whole_world, "all-reduce over `group` only (group=group): without it the all-reduce adds "
-                                        "up every rank of the world"),
+        Misconception(named("clip_averages", lambda *args: _clip(*args, op=AVG)),
+                      "the all-reduce used op=AVG: the squares of the ranks' shards add up (ReduceOp.SUM)"),
+        Misconception(named("clip_whole_world", lambda *args: _clip(*args, whole_world=True)),   # forgot group=
+                      "all-reduce over `group` only (group=group): without it the all-reduce adds up every rank of the "
+                      "world"),
         Misconception(clip_sums_norms, "the norm is the sum of the ranks' norms: all-reduce the sum of squares, then "
                                        "take the root (||g||^2 adds up over the shards, ||g|| does not)"),
-        Misconception(clip_counts_padding, f"the norm counts the padding ({JUNK:g} in every padding element here; "
-                                           "torch.empty leaves anything there): sum the squares of each shard's real "
-                                           "elements only"),
-        Misconception(clip_returns_square, "the norm returned is the sum of squares: return its square root"),
-        Misconception(clip_global_rank, "use this rank's place in `group` (dist.get_rank(group), "
-                                        "dist.get_world_size(group)), not its rank in the world"),
-        Misconception(clip_forgets_to_scale, "the gradients were not scaled: when the norm is above max_norm, every "
-                                             "shard.grad must be multiplied, in place, by max_norm / (norm + 1e-6)"),
-        Misconception(clip_never_clamps, "below max_norm the gradients must stay as they are: the coefficient is "
-                                         "min(1, max_norm / (norm + 1e-6)), clipping never scales gradients up")])
+        Misconception(named("clip_counts_padding",   # every element taken as real, the padding's junk too
+                            lambda shards, numels, *rest: _clip(shards, [s.numel() * WORLD for s in shards], *rest)),
+                      f"the norm counts the padding ({JUNK:g} in every padding element here; torch.empty leaves "
+                      "anything there): sum the squares of each shard's real elements only"),
+        Misconception(named("clip_returns_square", lambda *args: _clip(*args) ** 2),
+                      "the norm returned is the sum of squares: return its square root"),
+        Misconception(named("clip_global_rank", lambda *args: _clip(*args, rank=dist.get_rank())),   # in the world
+                      "use this rank's place in `group` (dist.get_rank(group), dist.get_world_size(group)), not its "
+                      "rank in the world"),
+        Misconception(named("clip_forgets_to_scale", lambda shards, numels, _, group: _norm(shards, numels, group)),
+                      "the gradients were not scaled: when the norm is above max_norm, every shard.grad must be "
+                      "multiplied, in place, by max_norm / (norm + 1e-6)"),
+        Misconception(named("clip_never_clamps", lambda *args: _clip(*args, clamp=False)),
+                      "below max_norm the gradients must stay as they are: the coefficient is min(1, max_norm / (norm "
+                      "+ 1e-6)), clipping never scales gradients up")])
 
 
 def check_clip_grad_norm(clip_grad_norm_sharded: Callable) -> None:
@@ -1242,23 +1157,20 @@ class _Timeline(_Guard):
         self.current["unwaited"] = [u for u, works in self.pending.items() if works]
         self._drain()
 
-    def _drain(self) -> None:
-        for works in self.pending.values():
-            for work in works:
-                work.wait()
+    def _drain(self, refused: str = "") -> None:
+        """Wait for every all-gather in flight (it writes into a unit's memory); then raise `refused`, if given."""
+        for work in [work for works in self.pending.values() for work in works]:
+            work.wait()
         self.pending.clear()
-
-    def _refuse(self, message: str) -> None:
-        """Wait for every all-gather in flight (it writes into a unit's memory), then raise."""
-        self._drain()
-        raise WrongCollectiveUse(message)
+        if refused:
+            raise WrongCollectiveUse(refused)
 
     def _refuse_unwaited(self, u: int, computes: str) -> None:
         if self.pending.get(u):
             events = self.current["events"]
             launched = max(i for i, (event, v) in enumerate(events) if event == "launch" and v == u)
             other = [self.names[v] for event, v in events[launched:] if event == "wait" and v != u]
-            self._refuse(f"{self.names[u]}'s {computes} before the handle of its all-gather was waited: its "
+            self._drain(f"{self.names[u]}'s {computes} before the handle of its all-gather was waited: its "
                          "parameters may still be arriving (on a GPU, NCCL writes them while the kernels read). "
                          f"Wait on {self.names[u]}'s own handle just before it computes"
                          + (f" (the handle waited was {other[-1]}'s)" if other else ""))
@@ -1270,7 +1182,7 @@ class _Timeline(_Guard):
         def guarded(storage, nbytes):
             u = self.unit_of.get(storage._cdata)
             if u is not None and self.pending.get(u):
-                self._refuse(f"{self.names[u]}'s memory was resized to {nbytes} bytes while its all-gather was in "
+                self._drain(f"{self.names[u]}'s memory was resized to {nbytes} bytes while its all-gather was in "
                              "flight, writing into it: wait on its handle before freeing the unit")
             return resize(storage, nbytes)
         return patched([(torch.UntypedStorage, "resize_", guarded)])
@@ -1299,8 +1211,7 @@ class _Timeline(_Guard):
 
     def _waited(self, u: int | None, work) -> None:
         self.note("wait", u)
-        if any(one is work for one in self.pending.get(u, [])):
-            self.pending[u] = [one for one in self.pending[u] if one is not work]
+        self.pending[u] = [one for one in self.pending.get(u, []) if one is not work]
 
     def observe(self, call: Call, output, result):
         """recorded_collectives' observer: note the call, and hand out a handle that notes its wait."""
@@ -1408,7 +1319,7 @@ def _prefetch_case(answer: tuple, case: dict, at: dict) -> dict:
     names = [label for label, _, _ in layout]
     timeline = _Timeline(names, units)
     timeline.watch_all([module for _, module, _ in layout])
-    got = _train_units(case["model"], units, _one_pass(model, at, timeline))
+    got = _train_units(model, case["model"], units, at, timeline)
     return got | _broken(timeline.passes, names) | {
         "async": [sum(event == "launch" for event, _ in p["events"]) for p in timeline.passes],
         "most held": max(p["peak"][0] for p in timeline.passes)}
@@ -1452,9 +1363,12 @@ class _Prefetch:
 
     def after_forward(self, i, output):
         self.ended.append(i)
-        self.units[i].free()
+        self.release(i)
         if output.requires_grad:
             output.register_hook(lambda grad: self.before_backward(i))
+
+    def release(self, i):
+        self.units[i].free()
 
     def before_backward(self, i):
         order = self.ended[::-1]
@@ -1486,25 +1400,10 @@ class PrefetchAllUpFront(_Prefetch):
             self.launch(unit)
 
 
-class PrefetchNeverFrees(_Prefetch):
-    def after_forward(self, i, output):
-        self.ended.append(i)
-        if output.requires_grad:
-            output.register_hook(lambda grad: self.before_backward(i))
-
-
 class PrefetchBackwardInForwardOrder(_Prefetch):
     def before_backward(self, i):  # "next" taken as in forward (units[i + 1])
         self.ready(self.units[i])
         self.ahead(i)
-
-
-class PrefetchKeepsOuter(_Prefetch):
-    def after_forward(self, i, output):  # the outer unit kept from the end of forward to its backward
-        if i:
-            return super().after_forward(i, output)
-        self.ended.append(i)
-        output.register_hook(lambda grad: self.before_backward(i))
 
 
 class PrefetchGathersTwice(_Prefetch):
@@ -1524,19 +1423,16 @@ class PrefetchSync(_Prefetch):
         pass
 
 
-class PrefetchBackwardSync(_Prefetch):
-    def before_backward(self, i):  # prefetches in forward only
-        self.units[i].gather()
-
-
-class PrefetchLate(_Prefetch):
-    def ahead(self, i):  # asynchronous, but launched only when the unit itself is about to compute
-        pass
-
-
-class PrefetchBackwardLate(_Prefetch):
-    def before_backward(self, i):
-        self.ready(self.units[i])
+PrefetchNeverFrees = _variant(_Prefetch, "PrefetchNeverFrees", release=lambda self, i: None)
+# the outer unit kept from the end of forward to its backward
+PrefetchKeepsOuter = _variant(_Prefetch, "PrefetchKeepsOuter",
+                              release=lambda self, i: self.units[i].free() if i else None)
+PrefetchBackwardSync = _variant(_Prefetch, "PrefetchBackwardSync",   # prefetches in forward only
+                                before_backward=lambda self, i: self.units[i].gather())
+# asynchronous, but launched only when the unit itself is about to compute
+PrefetchLate = _variant(_Prefetch, "PrefetchLate", ahead=lambda self, i: None)
+PrefetchBackwardLate = _variant(_Prefetch, "PrefetchBackwardLate",
+                                before_backward=lambda self, i: self.ready(self.units[i]))
 
 
 class PrefetchWaitsEarly(_Prefetch):
@@ -1562,8 +1458,8 @@ class PrefetchNeverWaits(_Prefetch):
 
 
 class PrefetchFreesInFlight(_Prefetch):
-    def after_forward(self, i, output):  # frees the next unit, its all-gather in flight (a free of the wrong unit)
-        super().after_forward(i, output)
+    def release(self, i):  # frees the next unit too, its all-gather in flight (a free of the wrong unit)
+        super().release(i)
         if i + 1 < len(self.units) and self.units[i + 1] in self.handles:
             self.units[i + 1].free()
 
@@ -1585,7 +1481,7 @@ PREFETCH = Check(
     observe=_on_ranks(_prefetch_case, _trained, deadlock=(
         "Zero3Prefetch did not finish on every rank within {timeout:g} s: a rank waited for a collective the others "
         "never made (a deadlock). Every rank must launch the same all-gathers and reduce-scatters in the same order, "
-        "each unit's of its own size (the units differ in size here). ")),
+        "each unit's of its own size (the units differ in size here)")),
     note=(f"{WORLD} ranks, {ZERO3_STEPS} AdamW steps, the last over {ACCUMULATE} micro-batches; units: the outer one "
           "(embedding = LM head, norms), then each layer's attention and MLP. 'async' counts the all-gathers launched "
           "with async_op=True per forward and backward; 'most held' the units, besides the outer one, holding full "
@@ -1650,7 +1546,6 @@ def check_zero3_prefetch(Zero3Unit: type, Zero3Prefetch: type) -> None:
 
 # ---- predict, then run: ZeRO-1 that does not write the updated shards back ----------------------
 DEMO_STEPS = 3
-WRITE_BACKS = {"all-gather": "with the all-gather", "none": "no all-gather", "own slice": "own slice only"}
 
 
 class _AdamW:
@@ -1677,31 +1572,34 @@ class _AdamW:
             p.grad = None
 
 
-class _DemoZero1:
-    """Section 2's ZeRO-1, with the write-back after the optimizer step chosen: "all-gather" (right), "none"
-    (step() stops after the optimizer), "own slice" (each rank copies its updated shard into its own slice
-    of flat_params, and nothing else)."""
+class _DemoZero1(_Zero1):
+    """_Zero1 with _AdamW, its collectives through picotron.comm (which calls them by the names torch 2.13 does not
+    warn about: the demo prints what the learner reads)."""
+    Optimizer = _AdamW
 
-    def __init__(self, model: Llama, lr: float, write_back: str):
-        self.write_back, self.world, self.rank = write_back, dist.get_world_size(), dist.get_rank()
-        params = list(model.parameters())
-        self.size = -(-sum(p.numel() for p in params) // self.world)
-        self.flat_params, self.flat_grads = _viewed(params, self.world * self.size, "data", "grad")  # (padded,)
-        self.mine = slice(self.rank * self.size, (self.rank + 1) * self.size)
-        self.param_shard = nn.Parameter(self.flat_params[self.mine].clone())
-        self.optimizer = _AdamW([self.param_shard], lr)
+    def reduce(self, flat):
+        from picotron.comm import reduce_scatter
+        shard = torch.empty_like(self.param_shard)
+        reduce_scatter(shard, flat, self.group, op=AVG)
+        return shard
 
-    def step(self) -> None:
-        from picotron.comm import all_gather, reduce_scatter
-        grad = torch.empty_like(self.param_shard)
-        reduce_scatter(grad, self.flat_grads, dist.group.WORLD, op=dist.ReduceOp.AVG)
-        self.param_shard.grad = grad
-        self.optimizer.step()
-        if self.write_back == "all-gather":
-            all_gather(self.flat_params, self.param_shard.detach(), dist.group.WORLD)
-        elif self.write_back == "own slice":
-            self.flat_params[self.mine] = self.param_shard.detach()
-        self.flat_grads.zero_()
+    def gather(self):
+        from picotron.comm import all_gather
+        all_gather(self.flat_params, self.param_shard.detach(), self.group)
+
+
+class _DemoNoWriteBack(_DemoZero1):
+    def gather(self):   # step() stops after the optimizer
+        pass
+
+
+class _DemoOwnSlice(Zero1NoAllGather, _DemoZero1):   # each rank copies its updated shard into its own slice only
+    pass
+
+
+# Section 2's ZeRO-1 (_Zero1, with _AdamW) and the write-back after its optimizer step: (label, the class)
+WRITE_BACKS = {"all-gather": ("with the all-gather", _DemoZero1), "none": ("no all-gather", _DemoNoWriteBack),
+               "own slice": ("own slice only", _DemoOwnSlice)}
 
 
 def _demo_batch(name: str) -> torch.Tensor:
@@ -1712,9 +1610,9 @@ def _demo_batch(name: str) -> torch.Tensor:
 def _demo_on_rank(name: str) -> dict:
     rank, out, batch = dist.get_rank(), {}, _demo_batch(name)
     mine = batch[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
-    for write_back in WRITE_BACKS:
+    for write_back, (_, Zero1) in WRITE_BACKS.items():
         model = _model(name)
-        zero = _DemoZero1(model, LR, write_back)
+        zero = Zero1(model, dist.group.WORLD, LR)
         start, shard_start = zero.flat_params.clone(), zero.param_shard.detach().clone()
         losses = []
         for step in range(DEMO_STEPS + 1):
@@ -1723,6 +1621,7 @@ def _demo_on_rank(name: str) -> dict:
             if step < DEMO_STEPS:
                 loss_fn(model(mine[:, :-1]), mine[:, 1:]).backward()
                 zero.step()
+                zero.zero_grad()
         out[write_back] = {"losses": losses, "weights": zero.flat_params.clone(),
                            "moved": (zero.flat_params != start).float().mean().item(),
                            "shard_moved": not torch.equal(zero.param_shard.detach(), shard_start)}
@@ -1762,12 +1661,12 @@ def zero1_write_back_demo(name: str = "2 layers") -> dict:
     print(f"{'':<33}" + "".join(f"{'before' if s == 0 else f'step {s}':>8}" for s in range(DEMO_STEPS + 1))
           + f"{'weights moved':>15}{'shard moved':>13}")
     print(f"{'one process':<33}" + "".join(f"{x:>8.4f}" for x in table["one process"]) + f"{'100%':>15}")
-    for way, label in WRITE_BACKS.items():
+    for way, (label, _) in WRITE_BACKS.items():
         row = table[way]
         for r in ([0] if row["identical"] else range(WORLD)):
             who = "every rank" if row["identical"] else f"rank {r}"
             print(f"{label if r == 0 else '':<21}{who:<12}" + "".join(f"{x:>8.4f}" for x in row["losses"][r])
                   + f"{row['moved'][r]:>15.0%}{'yes' if row['shard_moved'][r] else 'no':>13}")
     print("replicas identical: " + ", ".join(f"{label} {'yes' if table[way]['identical'] else 'no'}"
-                                            for way, label in WRITE_BACKS.items()))
+                                            for way, (label, _) in WRITE_BACKS.items()))
     return table
