@@ -21,6 +21,7 @@ change (`_reduce_scatter`, ...) are refused as answers.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from contextlib import contextmanager
@@ -33,13 +34,13 @@ import torch.distributed.distributed_c10d as c10d
 
 from picotron.comm import send_recv
 from picotron.launch import device, run
-from picotron_course.checks import (COLLECTIVES, _sends_counted, close_enough, on_ranks, only_point_to_point, patched,
+from picotron_course.checks import (COLLECTIVES, _sends_counted, close_enough, only_point_to_point, patched,
                                     rank_tensor, refusing)
-from picotron_course.engine import Check, Close, Exact, Misconception, Quantity, by_rank, named, per_case
+from picotron_course.engine import Check, Close, Exact, Misconception, Quantity, named, observe_on_ranks, per_case
 
 __all__ = ["check_chunk_to_send", "check_reduce_scatter_phase", "check_all_gather_phase", "check_ring_all_reduce",
            "check_recursive_doubling_all_reduce", "check_hang_diagnosis", "gradient_per_micro_batch", "mean_gradient",
-           "shard", "first_weights", "batch_gradient", "ring_bytes", "FEATURES", "MICRO_BATCH", "HANG_SPLIT"]
+           "shard", "first_weights", "batch_gradient", "FEATURES", "MICRO_BATCH", "HANG_SPLIT"]
 
 # Chunk schedule of the ring (Playbook, "A quick focus on collective operations"): at ring
 # step t (0 <= t < 2(N-1)) rank r sends chunk (r - t) mod N to rank r+1. The first N-1 steps
@@ -73,35 +74,24 @@ class Sent(Quantity):
         return f"{got}; {self.why.format(bound=want)}"
 
 
-def _on_worlds(on_rank: Callable, answers: list, cases: list, *args) -> list:
-    """[answer][case] observation dicts: `on_rank(answers, cases, *args)` run on the ranks of each world the cases
-    name (one launch a world, every answer in it), its lists over the ranks put back in the cases' order."""
-    out = [[{} for _ in cases] for _ in answers]
-    for world in dict.fromkeys(case["world"] for case in cases):
-        index = [i for i, case in enumerate(cases) if case["world"] == world]
-        seen = by_rank(on_ranks(on_rank, world, answers, [cases[i] for i in index], *args))
-        for a, per_case_seen in enumerate(seen):
-            for i, observed in zip(index, per_case_seen):
-                out[a][i] = observed
-    return out
+def _on_worlds(run_case: Callable) -> Callable:
+    """observe(answers, cases) for cases on several world sizes: observe_on_ranks on the ranks of each world the
+    cases name (one launch a world, every answer in it), the observations put back in the cases' order."""
+    def observe(answers: list, cases: list) -> list:
+        out = [[{} for _ in cases] for _ in answers]
+        for world in dict.fromkeys(case["world"] for case in cases):
+            index = [i for i, case in enumerate(cases) if case["world"] == world]
+            seen = observe_on_ranks(world, run_case)(answers, [cases[i] for i in index])
+            for a, per_case_seen in enumerate(seen):
+                for i, observed in zip(index, per_case_seen):
+                    out[a][i] = observed
+        return out
+    return observe
 
 
 def _sum_over_ranks(world: int, shape: tuple, dtype, seed: int) -> torch.Tensor:
     """The single-process answer: the plain sum of every rank's tensor, in float64."""
     return sum(rank_tensor(rank, shape, dtype, seed).double() for rank in range(world))
-
-
-def _product(a, b) -> list:
-    return [(x, y) for x in a for y in b]
-
-
-def ring_bytes(world: int, nbytes: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of `nbytes` over `world` ranks: 2 (N-1)/N S."""
-    return 2 * (world - 1) / world * nbytes
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _what_came_back(returned, tensor: torch.Tensor, expected: torch.Tensor, n: int) -> str:
@@ -164,7 +154,7 @@ def check_chunk_to_send(chunk_to_send: Callable[[int, int, int], int]) -> None:
 
 # ---- 2, 3. the two phases --------------------------------------------------------------------------
 PHASE_CASES = [dict(world=world, chunk_numel=k, dtype=dtype, _seed=seed) for world in RING_WORLDS
-               for seed, (k, dtype) in enumerate(_product(PHASE_CHUNK_NUMELS, RING_DTYPES))]
+               for seed, (k, dtype) in enumerate(itertools.product(PHASE_CHUNK_NUMELS, RING_DTYPES))]
 
 
 def _owned(rank: int, world: int, k: int) -> slice:
@@ -172,49 +162,42 @@ def _owned(rank: int, world: int, k: int) -> slice:
     return slice((rank + 1) % world * k, ((rank + 1) % world + 1) * k)
 
 
-def _phase_on_rank(answers: list, cases: list, title: str, gather: bool) -> list:
-    """Run each phase on this rank for every case: the chunks replaced by new tensors, the chunks it must have made
-    (reduce-scatter: the owned one; all-gather: all), the bytes it sent, and what it returned, in words."""
+def _phase_case(title: str, gather: bool, phase: Callable, case: dict) -> dict:
+    """One phase on this rank: the chunks replaced by new tensors, the chunks it must have made (reduce-scatter: the
+    owned one; all-gather: all), the bytes it sent, and what it returned, in words."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
-    for phase in answers:
-        seen = []
-        for case in cases:
-            k, dtype, seed = case["chunk_numel"], case["dtype"], case["_seed"]
-            flat = rank_tensor(rank, (world * k,), dtype, seed)
-            if gather:  # the state after a reduce-scatter: the owned chunk complete, the rest partial
-                owned = _owned(rank, world, k)
-                flat[owned] = sum(rank_tensor(r, (world * k,), dtype, seed)[owned] for r in range(world))
-            flat = flat.to(device())
-            chunks = list(flat.split(k))
-            originals = list(chunks)
-            with only_point_to_point(title) as sent:
-                returned = phase(chunks, rank, world)
-            replaced = [i for i, (a, b) in enumerate(zip(chunks, originals)) if a is not b]
-            seen.append({
-                "replaced": "" if not replaced else (
-                    f"chunks {replaced} were replaced by new tensors: update them in place (chunks[i] += ..., "
-                    "chunks[i].copy_(...)), they are views of one buffer"),
-                "chunks": flat.cpu()[slice(None) if gather else _owned(rank, world, k)],
-                "sent": sent.bytes,
-                "returned": "" if returned is None else (
-                    f"{title} returned a {type(returned).__name__}; return nothing: the phase works in place on "
-                    "`chunks`, and the caller reads the result there")})
-        out.append(seen)
-    return out
+    k, dtype, seed = case["chunk_numel"], case["dtype"], case["_seed"]
+    flat = rank_tensor(rank, (world * k,), dtype, seed)
+    if gather:  # the state after a reduce-scatter: the owned chunk complete, the rest partial
+        owned = _owned(rank, world, k)
+        flat[owned] = sum(rank_tensor(r, (world * k,), dtype, seed)[owned] for r in range(world))
+    flat = flat.to(device())
+    chunks = list(flat.split(k))
+    originals = list(chunks)
+    with only_point_to_point(title) as sent:
+        returned = phase(chunks, rank, world)
+    replaced = [i for i, (a, b) in enumerate(zip(chunks, originals)) if a is not b]
+    return {"replaced": "" if not replaced else (
+                f"chunks {replaced} were replaced by new tensors: update them in place (chunks[i] += ..., "
+                "chunks[i].copy_(...)), they are views of one buffer"),
+            "chunks": flat.cpu()[slice(None) if gather else _owned(rank, world, k)],
+            "sent": sent.bytes,
+            "returned": "" if returned is None else (
+                f"{title} returned a {type(returned).__name__}; return nothing: the phase works in place on "
+                "`chunks`, and the caller reads the result there")}
 
 
 def _expect_phase(case: dict, observed: dict, gather: bool) -> dict:
     world, k, dtype = case["world"], case["chunk_numel"], case["dtype"]
     total = _sum_over_ranks(world, (world * k,), dtype, case["_seed"])
     chunks = [per_case(total[slice(None) if gather else _owned(rank, world, k)], n=world) for rank in range(world)]
-    return {"replaced": [""] * world, "chunks": chunks, "sent": [(world - 1) * k * _itemsize(dtype)] * world,
+    return {"replaced": [""] * world, "chunks": chunks, "sent": [(world - 1) * k * dtype.itemsize] * world,
             "returned": [""] * world}
 
 
 def _phase_columns(case: dict, got: dict) -> dict:
     return {"sent/rank (B)": max(got["sent"]),
-            "N-1 chunks (B)": (case["world"] - 1) * case["chunk_numel"] * _itemsize(case["dtype"])}
+            "N-1 chunks (B)": (case["world"] - 1) * case["chunk_numel"] * case["dtype"].itemsize}
 
 
 def _phase_quantities(what: str) -> dict:
@@ -224,31 +207,25 @@ def _phase_quantities(what: str) -> dict:
             "returned": Words("what the phase returned", axes=RANK)}
 
 
-def _reduce_scatter(chunks, rank, world, steps=None, add=True):
-    """The correct reduce-scatter the misconceptions below change (refused as an answer)."""
+def _ring_steps(chunks, rank, world, steps, add: bool) -> None:
+    """The ring's schedule at `steps`: send chunk (rank - step) % world to rank + 1, and add (reduce-scatter) or copy
+    (all-gather) what rank - 1 sends into chunk (rank - 1 - step) % world."""
     buffer = torch.empty_like(chunks[0])
-    for step in range(world - 1 if steps is None else steps):
+    for step in steps:
         send_recv(chunks[(rank - step) % world], (rank + 1) % world, buffer, (rank - 1) % world)
         into = chunks[(rank - 1 - step) % world]
         into.add_(buffer) if add else into.copy_(buffer)
+
+
+def _reduce_scatter(chunks, rank, world, steps=None, add=True):
+    """The correct reduce-scatter the misconceptions below change (refused as an answer)."""
+    _ring_steps(chunks, rank, world, range(world - 1 if steps is None else steps), add)
 
 
 def _all_gather(chunks, rank, world, first=None, add=False):
     """The correct all-gather the misconceptions below change (refused as an answer)."""
     first = world - 1 if first is None else first
-    buffer = torch.empty_like(chunks[0])
-    for step in range(first, first + world - 1):
-        send_recv(chunks[(rank - step) % world], (rank + 1) % world, buffer, (rank - 1) % world)
-        into = chunks[(rank - 1 - step) % world]
-        into.add_(buffer) if add else into.copy_(buffer)
-
-
-def rs_one_step_short(chunks, rank, world):
-    _reduce_scatter(chunks, rank, world, steps=world - 2)
-
-
-def rs_copies_instead_of_adds(chunks, rank, world):
-    _reduce_scatter(chunks, rank, world, add=False)
+    _ring_steps(chunks, rank, world, range(first, first + world - 1), add)
 
 
 def rs_rebinds_chunks(chunks, rank, world):
@@ -259,38 +236,27 @@ def rs_rebinds_chunks(chunks, rank, world):
         chunks[i] = chunks[i] + buffer  # a new tensor: the flat buffer never sees it
 
 
-def rs_returns_chunks(chunks, rank, world):
-    _reduce_scatter(chunks, rank, world)
-    return chunks
-
-
 REDUCE_SCATTER_PHASE = Check(
     "reduce_scatter_phase", cases=PHASE_CASES,
-    observe=lambda answers, cases: _on_worlds(_phase_on_rank, answers, cases, "reduce_scatter_phase", False),
+    observe=_on_worlds(functools.partial(_phase_case, "reduce_scatter_phase", False)),
     expect=functools.partial(_expect_phase, gather=False), quantities=_phase_quantities("chunk (rank + 1) % world"),
     columns=_phase_columns, course=COURSE, only={COURSE: {"_reduce_scatter"}},
     misconceptions=[
         Misconception(rs_rebinds_chunks, "`chunks[i] = chunks[i] + buffer` makes a new tensor the caller never sees: "
                                          "add into the chunk itself, chunks[i] += buffer"),
-        Misconception(rs_one_step_short, "the reduce-scatter takes N-1 steps: each adds one more rank's part into "
-                                         "the chunk passing by"),
-        Misconception(rs_copies_instead_of_adds, "the reduce-scatter adds what it receives to its own part of the "
-                                                 "chunk: copying keeps only the last rank's sum"),
-        Misconception(rs_returns_chunks, "return nothing: the phase works in place on `chunks`, which the caller "
-                                         "holds too")])
+        Misconception(named("rs_one_step_short", lambda chunks, rank, world: _reduce_scatter(chunks, rank, world,
+                                                                                             steps=world - 2)),
+                      "the reduce-scatter takes N-1 steps: each adds one more rank's part into the chunk passing by"),
+        Misconception(named("rs_copies_instead_of_adds", lambda *args: _reduce_scatter(*args, add=False)),
+                      "the reduce-scatter adds what it receives to its own part of the chunk: copying keeps only the "
+                      "last rank's sum"),
+        Misconception(named("rs_returns_chunks", lambda chunks, *args: _reduce_scatter(chunks, *args) or chunks),
+                      "return nothing: the phase works in place on `chunks`, which the caller holds too")])
 
 
 def check_reduce_scatter_phase(reduce_scatter_phase: Callable) -> None:
     """After the phase, chunk (rank+1) % world of each rank holds the sum of that chunk over ranks."""
     REDUCE_SCATTER_PHASE(reduce_scatter_phase)
-
-
-def ag_adds_instead_of_copies(chunks, rank, world):
-    _all_gather(chunks, rank, world, add=True)
-
-
-def ag_starts_at_step_0(chunks, rank, world):
-    _all_gather(chunks, rank, world, first=0)
 
 
 def ag_receives_into_new_tensors(chunks, rank, world):
@@ -300,24 +266,23 @@ def ag_receives_into_new_tensors(chunks, rank, world):
         chunks[(rank - 1 - step) % world] = received
 
 
-def ag_returns_a_chunk(chunks, rank, world):
-    _all_gather(chunks, rank, world)
-    return chunks[(rank + 1) % world]
-
-
 ALL_GATHER_PHASE = Check(
     "all_gather_phase", cases=PHASE_CASES,
-    observe=lambda answers, cases: _on_worlds(_phase_on_rank, answers, cases, "all_gather_phase", True),
+    observe=_on_worlds(functools.partial(_phase_case, "all_gather_phase", True)),
     expect=functools.partial(_expect_phase, gather=True), quantities=_phase_quantities("every chunk"),
     columns=_phase_columns, course=COURSE, only={COURSE: {"_all_gather"}},
     misconceptions=[
         Misconception(ag_receives_into_new_tensors, "receive into the chunk itself (or copy into it): a new tensor "
                                                     "put in the list is not the caller's buffer"),
-        Misconception(ag_adds_instead_of_copies, "the all-gather copies: the chunk that arrives is already the full "
-                                                 "sum, so adding it counts the rank's own part twice"),
-        Misconception(ag_starts_at_step_0, "the all-gather continues the ring's schedule at step N-1: each rank first "
-                                           "sends the chunk it completed, (rank + 1) % world"),
-        Misconception(ag_returns_a_chunk, "return nothing: every chunk is in `chunks`, which the caller holds too")])
+        Misconception(named("ag_adds_instead_of_copies", lambda *args: _all_gather(*args, add=True)),
+                      "the all-gather copies: the chunk that arrives is already the full sum, so adding it counts the "
+                      "rank's own part twice"),
+        Misconception(named("ag_starts_at_step_0", lambda *args: _all_gather(*args, first=0)),
+                      "the all-gather continues the ring's schedule at step N-1: each rank first sends the chunk it "
+                      "completed, (rank + 1) % world"),
+        Misconception(named("ag_returns_a_chunk", lambda chunks, rank, world: _all_gather(chunks, rank, world)
+                            or chunks[(rank + 1) % world]),
+                      "return nothing: every chunk is in `chunks`, which the caller holds too")])
 
 
 def check_all_gather_phase(all_gather_phase: Callable) -> None:
@@ -326,34 +291,27 @@ def check_all_gather_phase(all_gather_phase: Callable) -> None:
 
 
 # ---- 4. ring_all_reduce ------------------------------------------------------------------------------
-def _ring_on_rank(answers: list, cases: list) -> list:
-    """Each answer on every case: what it returned (in words), every rank's tensor after, the bytes it sent."""
+def _all_reduce_case(title: str, answers: tuple, fn: Callable, case: dict) -> dict:
+    """An all-reduce on this rank: what it returned (in words), the tensor after, the bytes it sent and those of each
+    message; on a world size that is not a power of two (recursive doubling), what it did instead of refusing."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
-    for ring_all_reduce in answers:
-        seen = []
-        for case in cases:
-            shape, dtype, seed = case["shape"], case["dtype"], case["_seed"]
-            tensor = rank_tensor(rank, shape, dtype, seed).to(device())
-            with only_point_to_point("ring_all_reduce", answers=("ring_all_reduce",)) as sent:
-                returned = ring_all_reduce(tensor)
-            seen.append({"returned": _what_came_back(returned, tensor, _sum_over_ranks(world, shape, dtype, seed),
-                                                     world),
-                         "sum": tensor.cpu(), "sent": sent.bytes})
-        out.append(seen)
-    return out
-
-
-def _ring_bound(case: dict) -> int:
-    """Chunks of ceil(numel / world) elements, N-1 steps per phase; exactly 2(N-1)/N S when world divides numel."""
-    world = case["world"]
-    return 2 * (world - 1) * math.ceil(math.prod(case["shape"]) / world) * _itemsize(case["dtype"])
+    if case.get("refused"):
+        return {"refused": _refusal(fn, world)}
+    shape, dtype, seed = case["shape"], case["dtype"], case["_seed"]
+    tensor = rank_tensor(rank, shape, dtype, seed).to(device())
+    messages: list[int] = []   # the bytes of each send or isend
+    with only_point_to_point(title, answers=answers) as sent, patched(_sends_counted(messages.append)):
+        returned = fn(tensor)
+    return {"returned": _what_came_back(returned, tensor, _sum_over_ranks(world, shape, dtype, seed), world),
+            "sum": tensor.cpu(), "sent": sent.bytes, "messages": messages}
 
 
 def _expect_ring(case: dict, observed: dict) -> dict:
     world = case["world"]
     want = per_case(_sum_over_ranks(world, case["shape"], case["dtype"], case["_seed"]), n=world)
-    return {"returned": ["the tensor"] * world, "sum": [want] * world, "sent": [_ring_bound(case)] * world}
+    # the bound: chunks of ceil(numel / world) elements, N-1 steps a phase; exactly 2(N-1)/N S when world divides numel
+    bound = 2 * (world - 1) * math.ceil(math.prod(case["shape"]) / world) * case["dtype"].itemsize
+    return {"returned": ["the tensor"] * world, "sum": [want] * world, "sent": [bound] * world}
 
 
 def _ring(tensor, phases=2, pad=True, give_back=True):
@@ -371,18 +329,6 @@ def _ring(tensor, phases=2, pad=True, give_back=True):
     return tensor if give_back else None
 
 
-def ring_local_only(tensor):
-    return tensor  # never communicates: each rank keeps its own tensor
-
-
-def ring_drops_remainder(tensor):
-    return _ring(tensor, pad=False)   # forgets the last numel % world elements
-
-
-def ring_skips_the_all_gather(tensor):
-    return _ring(tensor, phases=1)
-
-
 def ring_sends_whole_tensor(tensor):
     """Right sum, wrong algorithm: the whole tensor goes around the ring, (N-1) S bytes per rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -394,40 +340,38 @@ def ring_sends_whole_tensor(tensor):
     return tensor
 
 
-def ring_not_in_place(tensor):
-    return _ring(tensor.clone())
-
-
-def ring_returns_nothing(tensor):
-    _ring(tensor, give_back=False)
-
-
 RING_ALL_REDUCE = Check(
     "ring_all_reduce", cases=[dict(world=world, shape=shape, dtype=dtype, _seed=seed) for world in RING_WORLDS
-                              for seed, (shape, dtype) in enumerate(_product(RING_SHAPES, RING_DTYPES))],
-    observe=functools.partial(_on_worlds, _ring_on_rank), expect=_expect_ring,
+                              for seed, (shape, dtype) in enumerate(itertools.product(RING_SHAPES, RING_DTYPES))],
+    observe=_on_worlds(functools.partial(_all_reduce_case, "ring_all_reduce", ("ring_all_reduce",))),
+    expect=_expect_ring,
     quantities={"returned": Exact("what ring_all_reduce returned: return the tensor it summed in place "
                                   "(`return tensor`)", axes=RANK),
                 "sum": Close("every rank's tensor after the call, the sum over the ranks in place", axes=RANK),
                 "sent": Sent("the bytes a rank sent", axes=RANK, why="a ring all-reduce sends at most {bound} "
                                                                       "(2(N-1) steps of one chunk), and more than 0")},
     # the bound first: `sent/rank` stays third from the end of a row, where tests/test_course.py reads it
-    columns=lambda case, got: {"2(N-1)/N*S (B)": round(ring_bytes(case["world"], math.prod(case["shape"]) *
-                                                                  _itemsize(case["dtype"]))),
+    columns=lambda case, got: {"2(N-1)/N*S (B)": round(2 * (case["world"] - 1) / case["world"]
+                                                       * math.prod(case["shape"]) * case["dtype"].itemsize),
                                "sent/rank (B)": max(got["sent"])},
     note="2(N-1)/N*S: what each rank sends in a ring all-reduce of S bytes over N ranks (a little more when N does "
          "not divide the size: padding)",
     course=("picotron.comm", COURSE), only={"picotron.comm": {"ring_all_reduce"}, COURSE: {"_ring"}},
     misconceptions=[
-        Misconception(ring_not_in_place, "the returned tensor is right, but the input must be summed in place: "
-                                         "write the result into `tensor` (tensor.copy_(...)) and return it"),
-        Misconception(ring_returns_nothing, "end with `return tensor`: the caller may use the returned tensor"),
-        Misconception(ring_local_only, "communicate: each rank must end with the sum over every rank (a "
-                                       "reduce-scatter, then an all-gather), not its own tensor"),
-        Misconception(ring_drops_remainder, "when world does not divide numel, pad the flat tensor to world * "
-                                            "ceil(numel / world) elements: the last numel % world were left out"),
-        Misconception(ring_skips_the_all_gather, "after the reduce-scatter each rank holds one summed chunk: the "
-                                                 "all-gather phase gives every rank the others"),
+        Misconception(named("ring_not_in_place", lambda tensor: _ring(tensor.clone())),
+                      "the returned tensor is right, but the input must be summed in place: write the result into "
+                      "`tensor` (tensor.copy_(...)) and return it"),
+        Misconception(named("ring_returns_nothing", lambda tensor: _ring(tensor, give_back=False)),
+                      "end with `return tensor`: the caller may use the returned tensor"),
+        Misconception(named("ring_local_only", lambda tensor: tensor),   # never communicates
+                      "communicate: each rank must end with the sum over every rank (a reduce-scatter, then an "
+                      "all-gather), not its own tensor"),
+        Misconception(named("ring_drops_remainder", lambda tensor: _ring(tensor, pad=False)),
+                      "when world does not divide numel, pad the flat tensor to world * ceil(numel / world) elements: "
+                      "the last numel % world were left out"),
+        Misconception(named("ring_skips_the_all_gather", lambda tensor: _ring(tensor, phases=1)),
+                      "after the reduce-scatter each rank holds one summed chunk: the all-gather phase gives every "
+                      "rank the others"),
         Misconception(ring_sends_whole_tensor, "pass chunks around the ring, not the whole tensor: a ring sends "
                                                "2(N-1) chunks of S/N bytes, not (N-1) times S")])
 
@@ -457,30 +401,9 @@ class Messages(Exact):
     """The bytes of each message a rank sent, against log2 N messages of the whole tensor."""
 
     def shown(self, got, want) -> str:
-        return (f"{len(got)} messages of {_sizes(got)} bytes; recursive doubling on {2 ** len(want)} ranks sends "
+        sizes = "/".join(str(size) for size in sorted(set(got))) or "0"
+        return (f"{len(got)} messages of {sizes} bytes; recursive doubling on {2 ** len(want)} ranks sends "
                 f"log2 N = {len(want)}, each the whole tensor ({want[0]} bytes): at step k, to rank r XOR 2^k")
-
-
-def _doubling_on_rank(answers: list, cases: list) -> list:
-    """Each answer on every case: what it returned (in words), the tensor after, the bytes of each message it sent;
-    on a world size that is not a power of two, what it did instead of refusing ("" when it refused)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
-    for fn in answers:
-        seen = []
-        for case in cases:
-            if case.get("refused"):
-                seen.append({"refused": _refusal(fn, world)})
-                continue
-            shape, dtype, seed = case["shape"], case["dtype"], case["_seed"]
-            tensor = rank_tensor(rank, shape, dtype, seed).to(device())
-            with only_point_to_point("recursive_doubling_all_reduce"), _messages_sent() as messages:
-                returned = fn(tensor)
-            seen.append({"returned": _what_came_back(returned, tensor, _sum_over_ranks(world, shape, dtype, seed),
-                                                     world),
-                         "sum": tensor.cpu(), "messages": list(messages)})
-        out.append(seen)
-    return out
 
 
 def _refusal(fn: Callable, world: int) -> str:
@@ -507,14 +430,6 @@ def _refusal(fn: Callable, world: int) -> str:
 
 
 @contextmanager
-def _messages_sent() -> Iterator[list[int]]:
-    """Inside the block, the bytes of each message this rank sends, one entry per send or isend."""
-    sizes: list[int] = []
-    with patched(_sends_counted(sizes.append)):
-        yield sizes
-
-
-@contextmanager
 def _no_messages() -> Iterator[None]:
     """Inside the block every send and receive raises MessageBeforeRefusal."""
     def refuse(name: str) -> Callable:
@@ -528,17 +443,13 @@ def _no_messages() -> Iterator[None]:
         yield
 
 
-def _sizes(messages: list[int]) -> str:
-    return "/".join(str(size) for size in sorted(set(messages))) or "0"
-
-
 def _expect_doubling(case: dict, observed: dict) -> dict:
     world = case["world"]
     if case.get("refused"):
         return {"refused": [""] * world, "sum": None}
     shape, dtype = case["shape"], case["dtype"]
     want = per_case(_sum_over_ranks(world, shape, dtype, case["_seed"]), n=world)
-    nbytes = math.prod(shape) * _itemsize(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
     return {"returned": ["the tensor"] * world, "sum": [want] * world,
             "messages": [[nbytes] * (world.bit_length() - 1)] * world}
 
@@ -546,7 +457,7 @@ def _expect_doubling(case: dict, observed: dict) -> dict:
 def _doubling_columns(case: dict, got: dict) -> dict:
     if case.get("refused"):
         return {}
-    steps, nbytes = case["world"].bit_length() - 1, math.prod(case["shape"]) * _itemsize(case["dtype"])
+    steps, nbytes = case["world"].bit_length() - 1, math.prod(case["shape"]) * case["dtype"].itemsize
     return {"messages/rank": max(len(m) for m in got["messages"]),
             "sent/rank (B)": max(sum(m) for m in got["messages"]), "log2(N) x S (B)": steps * nbytes}
 
@@ -561,14 +472,14 @@ def _swap(mine: torch.Tensor, partner: int, received: torch.Tensor, source: int 
     send_recv(mine, partner, received, partner if source is None else source)
 
 
-def _doubling(tensor, skip=0):
+def _doubling(tensor, skip=0, give_back=True, send_input=False, steps=_steps):
     """The correct recursive doubling the misconceptions below change (refused as an answer)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    received = torch.empty_like(tensor)
-    for k in range(_steps(world) - skip):
-        _swap(tensor, rank ^ (1 << k), received)
+    mine, received = tensor.clone() if send_input else tensor, torch.empty_like(tensor)
+    for k in range(steps(world) - skip):
+        _swap(mine, rank ^ (1 << k), received)
         tensor += received
-    return tensor
+    return tensor if give_back else None
 
 
 def doubling_overwrites(tensor):
@@ -579,21 +490,6 @@ def doubling_overwrites(tensor):
     return tensor
 
 
-def doubling_one_step_short(tensor):
-    """Stops one step early: on 4 ranks each holds a pair's sum, on 2 ranks it never communicates."""
-    return _doubling(tensor, skip=1)
-
-
-def doubling_sends_the_input(tensor):
-    """Sends its own input at every step instead of the running sum: on 4 ranks, rank r misses rank r XOR 3."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine, received = tensor.clone(), torch.empty_like(tensor)
-    for k in range(_steps(world)):
-        _swap(mine, rank ^ (1 << k), received)
-        tensor += received
-    return tensor
-
-
 def doubling_direct(tensor):
     """The right sum, the wrong algorithm: its input to every other rank, N-1 messages of S bytes."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -601,26 +497,6 @@ def doubling_direct(tensor):
     mine, received = tensor.clone(), torch.empty_like(tensor)
     for shift in range(1, world):
         _swap(mine, (rank + shift) % world, received, (rank - shift) % world)
-        tensor += received
-    return tensor
-
-
-def doubling_not_in_place(tensor):
-    """Builds the sum in a new tensor and returns it; the caller's tensor is left as it was."""
-    return _doubling(tensor.clone())
-
-
-def doubling_returns_nothing(tensor):
-    """The right sum in place, but no `return tensor`."""
-    _doubling(tensor)
-
-
-def doubling_no_power_check(tensor):
-    """No check of the world size: on 3 ranks rank 2's partner would be rank 3."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    received = torch.empty_like(tensor)
-    for k in range(max(world.bit_length() - 1, 1)):
-        _swap(tensor, rank ^ (1 << k), received)
         tensor += received
     return tensor
 
@@ -649,9 +525,10 @@ def doubling_refuses_vaguely(tensor):
 RECURSIVE_DOUBLING = Check(
     "recursive_doubling_all_reduce",
     cases=[dict(world=world, shape=shape, dtype=dtype, _seed=100 + seed) for world in DOUBLING_WORLDS
-           for seed, (shape, dtype) in enumerate(_product(DOUBLING_SHAPES, DOUBLING_DTYPES))]
+           for seed, (shape, dtype) in enumerate(itertools.product(DOUBLING_SHAPES, DOUBLING_DTYPES))]
     + [dict(world=DOUBLING_REFUSED, shape=(6,), dtype=torch.float32, refused="ValueError")],
-    observe=functools.partial(_on_worlds, _doubling_on_rank), expect=_expect_doubling,
+    observe=_on_worlds(functools.partial(_all_reduce_case, "recursive_doubling_all_reduce", ())),
+    expect=_expect_doubling,
     quantities={"returned": Exact("what it returned: return the tensor it summed in place (`return tensor`)",
                                   axes=RANK),
                 "sum": Close("every rank's tensor after the call, the sum over the ranks in place", axes=RANK),
@@ -661,19 +538,25 @@ RECURSIVE_DOUBLING = Check(
     note="log2(N) x S: what each rank sends by recursive doubling, one message of the whole tensor (S bytes) per step",
     course=COURSE, only={COURSE: {"_doubling"}},
     misconceptions=[
-        Misconception(doubling_not_in_place, "the returned tensor is right, but the input must be summed in place: "
-                                             "add into `tensor` (tensor += received) and return it"),
-        Misconception(doubling_returns_nothing, "end with `return tensor`: the caller may use the returned tensor"),
+        Misconception(named("doubling_not_in_place", lambda tensor: _doubling(tensor.clone())),
+                      "the returned tensor is right, but the input must be summed in place: add into `tensor` "
+                      "(tensor += received) and return it"),
+        Misconception(named("doubling_returns_nothing", lambda tensor: _doubling(tensor, give_back=False)),
+                      "end with `return tensor`: the caller may use the returned tensor"),
         Misconception(doubling_overwrites, "receive into a separate buffer and add it to the running sum: receiving "
                                            "into the tensor replaces this rank's sum by the partner's"),
-        Misconception(doubling_one_step_short, "take log2 N steps, k = 0 .. log2 N - 1: after step k each rank holds "
-                                               "the sum of a group of 2^(k+1) ranks"),
-        Misconception(doubling_sends_the_input, "send the running sum at every step, not the rank's input: what a "
-                                                "partner added at step 0 must travel on at step 1"),
+        Misconception(named("doubling_one_step_short", lambda tensor: _doubling(tensor, skip=1)),
+                      "take log2 N steps, k = 0 .. log2 N - 1: after step k each rank holds the sum of a group of "
+                      "2^(k+1) ranks"),
+        Misconception(named("doubling_sends_the_input", lambda tensor: _doubling(tensor, send_input=True)),
+                      "send the running sum at every step, not the rank's input: what a partner added at step 0 must "
+                      "travel on at step 1"),
         Misconception(doubling_direct, "exchange with one partner per step, rank XOR 2^k, and send the running sum: "
                                        "log2 N messages, not one to every other rank"),
-        Misconception(doubling_no_power_check, "check the world size before the loop: on 3 ranks rank 2's partner at "
-                                               "step 0 would be rank 3; raise ValueError naming it"),
+        Misconception(named("doubling_no_power_check",   # log2 N rounded down, at least 1, whatever N is
+                            lambda tensor: _doubling(tensor, steps=lambda world: max(world.bit_length() - 1, 1))),
+                      "check the world size before the loop: on 3 ranks rank 2's partner at step 0 would be rank 3; "
+                      "raise ValueError naming it"),
         Misconception(doubling_checks_after_sending, "refuse before the first message: every rank can tell from the "
                                                      "world size alone, before ranks 0 and 1 exchange at step 0"),
         Misconception(doubling_refuses_vaguely, "name the world size in the ValueError's message, e.g. "
@@ -904,25 +787,6 @@ def _fixed_gradient(split, agree=dist.ReduceOp.MAX, skip=False):
     return grad / sum(split)
 
 
-def fixed_skips_the_call(split):
-    """Agrees on the steps, but a rank out of data skips the all_reduce: it still hangs."""
-    return _fixed_gradient(split, skip=True)
-
-
-def fixed_agrees_on_the_fewest(split):
-    """all_reduce MIN: no hang, but rank 2's last micro-batch is dropped."""
-    return _fixed_gradient(split, agree=dist.ReduceOp.MIN)
-
-
-def fixed_divides_by_33(split):
-    """Right on HANG_SPLIT (33 examples) only: the mean's denominator is written in."""
-    return _fixed_gradient(split) * sum(split) / 33
-
-
-def fixed_returns_a_list(split):
-    return _fixed_gradient(split).tolist()
-
-
 FIXED_GRADIENT = Check(
     "fixed gradient", cases=[dict(split=split, world=len(split)) for split in FIX_SPLITS],
     observe=_observe_fixes, expect=_expect_fix,
@@ -931,13 +795,17 @@ FIXED_GRADIENT = Check(
     note="every rank's result against one process's mean_gradient",
     course=COURSE, only={COURSE: {"_fixed_gradient", "mean_gradient", "gradient_per_micro_batch"}},
     misconceptions=[
-        Misconception(fixed_skips_the_call, "a rank out of data must still make every all_reduce the others make "
-                                            "(with a zero gradient): skipping it leaves them waiting"),
-        Misconception(fixed_agrees_on_the_fewest, "agree on the most micro-batches any rank has (ReduceOp.MAX): "
-                                                  "the fewest drops the other ranks' last examples"),
-        Misconception(fixed_divides_by_33, "divide by the number of examples of the split, sum(split): 33 is "
-                                           "HANG_SPLIT's only"),
-        Misconception(fixed_returns_a_list, "return the gradient as a tensor, as gradient_per_micro_batch does")])
+        Misconception(named("fixed_skips_the_call", lambda split: _fixed_gradient(split, skip=True)),   # still hangs
+                      "a rank out of data must still make every all_reduce the others make (with a zero gradient): "
+                      "skipping it leaves them waiting"),
+        Misconception(named("fixed_agrees_on_the_fewest",
+                            lambda split: _fixed_gradient(split, agree=dist.ReduceOp.MIN)),
+                      "agree on the most micro-batches any rank has (ReduceOp.MAX): the fewest drops the other ranks' "
+                      "last examples"),
+        Misconception(named("fixed_divides_by_33", lambda split: _fixed_gradient(split) * sum(split) / 33),
+                      "divide by the number of examples of the split, sum(split): 33 is HANG_SPLIT's only"),
+        Misconception(named("fixed_returns_a_list", lambda split: _fixed_gradient(split).tolist()),
+                      "return the gradient as a tensor, as gradient_per_micro_batch does")])
 
 
 def check_hang_diagnosis(hang: dict, fixed_fn: Callable) -> None:

@@ -42,7 +42,7 @@ from picotron.memory_tracking import SavedActivations
 from picotron.model import DecoderLayer, Llama, Rotary, eager_attention
 from picotron.model import recompute as course_recompute
 from picotron_course.checks import one_thread, refusing
-from picotron_course.engine import Check, Exact, Misconception, Within
+from picotron_course.engine import Check, Exact, Misconception, Within, named
 
 __all__ = ["check_num_params", "check_activation_bytes", "check_recompute", "check_checkpoint_plan", "SavedStorages",
            "saved_by_layer", "measure_plan", "PARAM_SHAPES", "ACTIVATION_CASES", "RECOMPUTE_CASES", "PLAN_SHAPES"]
@@ -107,20 +107,15 @@ def saved_by_layer(config: ModelConfig, batch: int, seq: int, dtype: torch.dtype
 
 def _layer_storages(config: ModelConfig, batch: int, seq: int, dtype: torch.dtype) -> dict:
     """SavedStorages.storages of one decoder layer's forward, parameters and cos/sin left out."""
-    layer, x, cos, sin = _layer_and_input(config, batch, seq, dtype)
+    torch.manual_seed(0)
+    layer = DecoderLayer(config).to(dtype)
+    cos, sin = Rotary(config).to(dtype)(torch.arange(seq)[None])  # (1, 1, seq, head_dim) each
+    x = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     with SavedStorages() as saved:
         out = layer(x, cos, sin)
     kept = saved.storages(besides=[*layer.parameters(), cos, sin])   # while out (and its graph) holds them
     del out
     return kept
-
-
-def _layer_and_input(config: ModelConfig, batch: int, seq: int, dtype: torch.dtype):
-    torch.manual_seed(0)
-    layer = DecoderLayer(config).to(dtype)
-    cos, sin = Rotary(config).to(dtype)(torch.arange(seq)[None])  # (1, 1, seq, head_dim) each
-    x = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
-    return layer, x, cos, sin
 
 
 # The code the assignment rebuilds: a learner's answer must not call it.
@@ -183,16 +178,12 @@ def _n(*modules) -> int:
 
 
 def _params_off(name: str, off: Callable) -> Callable:
-    """A wrong num_params: the count, off by off(model, config) (a mistake's cost, read off the model's parts)."""
+    """A wrong num_params: the count, off by off(model, config, layer, num_layers) (a mistake's cost, read off the
+    parts of a one-layer model)."""
     def num_params(config):
         model = _meta_llama(dataclasses.replace(config, num_layers=1))   # the layers are alike: one shows them
         return _counted(config) + off(model, config, model.layers[0], config.num_layers)
-    num_params.__name__ = name
-    return num_params
-
-
-def _params_float(config):
-    return float(_counted(config))
+    return named(name, num_params)
 
 
 NUM_PARAMS = Check(
@@ -207,7 +198,8 @@ NUM_PARAMS = Check(
                 "count": Exact("the parameters counted (list every module's weights, print(model) or "
                                "model.named_parameters() on the meta device, and compare with your sum)")},
     misconceptions=[
-        Misconception(_params_float, "return an int, the number of parameters"),
+        Misconception(named("_params_float", lambda config: float(_counted(config))),
+                      "return an int, the number of parameters"),
         Misconception(_params_off("np_no_final_norm", lambda m, c, l, n: -_n(m.norm)),
                       "the final RMSNorm is missing (hidden_size weights, after the last layer)"),
         Misconception(_params_off("np_no_layer_norms", lambda m, c, l, n: -n * _n(l.attn_norm, l.mlp_norm)),
@@ -293,12 +285,7 @@ def _bytes_off(name: str, off: Callable) -> Callable:
         x = SimpleNamespace(a=a, t=t, b=batch, s=seq, eager=c.attention == "eager", probs=a * batch * n_q * seq * seq,
                             copies=2 * a * t * (n_q - c.num_key_value_heads) * c.head_dim, lse=4 * batch * n_q * seq)
         return measure_layer(c, batch, seq, _DTYPES[a]) + off(c, x)
-    activation_bytes_per_layer.__name__ = name
-    return activation_bytes_per_layer
-
-
-def _act_ignores_dtype(config, batch, seq, dtype_bytes=4):
-    return measure_layer(config, batch, seq, torch.float32)
+    return named(name, activation_bytes_per_layer)
 
 
 ACTIVATIONS = Check(
@@ -313,9 +300,10 @@ ACTIVATIONS = Check(
                 "bytes": Exact("the bytes one layer saves for backward (print saved_by_layer(config, batch, seq, "
                                "dtype) to see every tensor the layer keeps)")},
     misconceptions=[
-        Misconception(_act_ignores_dtype, "that is the fp32 count: with dtype_bytes=2 the activations take 2 bytes "
-                                          "each, except the fp32 ones (RMSNorm's input copy and 1/rms, sdpa's "
-                                          "log-sum-exp)"),
+        Misconception(named("_act_ignores_dtype", lambda c, batch, seq, dtype_bytes=4: measure_layer(c, batch, seq,
+                                                                                                     torch.float32)),
+                      "that is the fp32 count: with dtype_bytes=2 the activations take 2 bytes each, except the fp32 "
+                      "ones (RMSNorm's input copy and 1/rms, sdpa's log-sum-exp)"),
         Misconception(_bytes_off("act_no_probabilities", lambda c, x: -x.probs * x.eager),
                       "the softmax probabilities are missing: eager attention keeps (batch, n_q, seq, seq), "
                       "a*b*n_q*s^2 bytes"),
@@ -370,10 +358,6 @@ KEPT_BYTES_ALLOWED = 0  # nothing beyond the inputs, as the task says (SavedStor
 RECOMPUTE_ANSWERS = {CHECKPOINT_FILE: "torch.utils.checkpoint", course_recompute.__code__: "picotron.model.recompute"}
 
 
-def _sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
 def _attention_case(wrap: Callable, attend: Callable) -> tuple:
     """Selective recomputation: the attention core on q (4 heads) and k, v (2 heads), all leaves."""
     generator = torch.Generator().manual_seed(0)
@@ -397,7 +381,8 @@ def _layers_case(wrap: Callable, num_layers: int) -> tuple:
 
 RECOMPUTE_CASES = [
     ("eager attention, GQA 4/2", lambda wrap: _attention_case(wrap, eager_attention)),
-    ("sdpa attention, GQA 4/2", lambda wrap: _attention_case(wrap, _sdpa)),
+    ("sdpa attention, GQA 4/2", lambda wrap: _attention_case(wrap, lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True))),
     ("1 decoder layer", lambda wrap: _layers_case(wrap, 1)),
     ("2 decoder layers, each wrapped", lambda wrap: _layers_case(wrap, 2)),
 ]
@@ -719,10 +704,6 @@ def peak_inputs_free(config, batch, seq, recomputed, twice=False):   # a recompu
     return max([sum(kept), *(sum(kept[:i]) + inputs * twice + layer for i in recomputed)])
 
 
-def peak_input_twice(config, batch, seq, recomputed):   # the recomputed layer's input counted besides its activations
-    return peak_inputs_free(config, batch, seq, recomputed, twice=True)
-
-
 def plan_top_layers(config, batch, seq, budget):   # the right count, the wrong end
     plan = _right_plan(config, batch, seq, budget)
     return list(range(config.num_layers - len(plan), config.num_layers))
@@ -774,7 +755,7 @@ PLAN = Check(
                       "a recomputed layer's activations all come back while the layers below it still hold theirs"),
         Misconception((peak_inputs_free, _right_plan), "a recomputed layer still keeps its input, a*b*s*h bytes, from "
                                                        "its forward until backward reaches it"),
-        Misconception((peak_input_twice, _right_plan),
+        Misconception((named("peak_input_twice", lambda *args: peak_inputs_free(*args, twice=True)), _right_plan),
                       "off by one layer input: in fp32 the first RMSNorm saves the layer's input itself, so while a "
                       "layer is recomputed its input is one of the tensors it saves, not one more"),
         Misconception((_right_peak, plan_top_layers),

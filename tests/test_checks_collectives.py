@@ -1,8 +1,8 @@
 """The checks of assignment 00 pass correct answers and refuse the course's own.
 
-The correct answers are written here, not taken from the solution notebook (which runs under nbval
-on its own), and picotron has no recursive doubling: the check's only reference is the sum one
-process computes. The wrong answers are the checks' misconceptions (picotron_course/checks_collectives.py),
+The correct answers are the checks' own correct bases (the course's answers, which the checks refuse:
+unrefused here) and others written here, not taken from the solution notebook (which runs under nbval on
+its own); the checks' only reference is the sum one process computes. The wrong answers are the checks' misconceptions (picotron_course/checks_collectives.py),
 each failing with its hint (tests/test_misconceptions.py); tests/test_course.py runs the guided part's
 checks on answers of its own too.
 """
@@ -17,52 +17,27 @@ from picotron_course import checks_collectives as collectives
 from picotron_course.checks_collectives import (check_all_gather_phase, check_chunk_to_send, check_hang_diagnosis,
                                                 check_recursive_doubling_all_reduce, check_reduce_scatter_phase,
                                                 check_ring_all_reduce)
+from picotron_course.engine import Check
 
 
-# ---- correct answers ------------------------------------------------------------------------------
-def ref_chunk_to_send(step, rank, world):
-    return (rank - step) % world
-
-
-def ref_reduce_scatter_phase(chunks, rank, world):
-    buffer = torch.empty_like(chunks[0])
-    for step in range(world - 1):
-        send_recv(chunks[(rank - step) % world], (rank + 1) % world, buffer, (rank - 1) % world)
-        chunks[(rank - 1 - step) % world] += buffer
-
-
+# ---- correct answers: the checks' own bases (unrefused here), and others -----------------------------------
 def ref_all_gather_phase(chunks, rank, world):
+    """Receives straight into the chunk (the checks' own all-gather copies from a buffer)."""
     for step in range(world - 1, 2 * (world - 1)):
         send_recv(chunks[(rank - step) % world], (rank + 1) % world, chunks[(rank - 1 - step) % world],
                   (rank - 1) % world)
 
 
 def ref_ring_all_reduce(tensor):
+    """Pads, runs both phases, copies back by reshape (the checks' own ring writes through a view)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     k = -(-tensor.numel() // world)
     flat = tensor.new_zeros(world * k)
     flat[: tensor.numel()] = tensor.flatten()
     chunks = list(flat.split(k))
-    ref_reduce_scatter_phase(chunks, rank, world)
+    collectives._reduce_scatter(chunks, rank, world)
     ref_all_gather_phase(chunks, rank, world)
     tensor.copy_(flat[: tensor.numel()].reshape(tensor.shape))
-    return tensor
-
-
-def _steps(world):
-    if world & (world - 1):
-        raise ValueError(f"recursive doubling needs a power-of-two world size, not {world}")
-    return world.bit_length() - 1
-
-
-def ref_doubling(tensor):
-    """With send_recv: at step k, swap the running sum with rank XOR 2^k and add."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    received = torch.empty_like(tensor)
-    for k in range(_steps(world)):
-        partner = rank ^ (1 << k)
-        send_recv(tensor, partner, received, partner)
-        tensor += received
     return tensor
 
 
@@ -70,7 +45,7 @@ def ref_doubling_blocking(tensor):
     """With blocking dist.send / dist.recv: in each pair, the lower rank sends first. A 2-D tensor, sent whole."""
     rank, world = dist.get_rank(), dist.get_world_size()
     received = torch.empty_like(tensor)
-    for k in range(_steps(world)):
+    for k in range(collectives._steps(world)):
         partner = rank ^ (1 << k)
         if rank < partner:
             dist.send(tensor, partner)
@@ -87,10 +62,28 @@ def ref_doubling_shifted(tensor):
     all-reduce). Not XOR, but also log2 N messages of S bytes and the right sum: it must pass."""
     rank, world = dist.get_rank(), dist.get_world_size()
     received = torch.empty_like(tensor)
-    for k in range(_steps(world)):
+    for k in range(collectives._steps(world)):
         send_recv(tensor.clone(), (rank + (1 << k)) % world, received, (rank - (1 << k)) % world)
         tensor += received
     return tensor
+
+
+@pytest.fixture
+def unrefused(monkeypatch):
+    """Check.refuse refuses nothing: the checks' own bases pass as answers (only this process refuses them)."""
+    for declared in [v for v in vars(collectives).values() if isinstance(v, Check)]:
+        monkeypatch.setattr(declared, "course", None)
+
+
+RIGHT_HANG = {"rank": 2, "op": "all_reduce", "call": 3}   # what the report of HANG_SPLIT shows
+
+
+def fixed_one_all_reduce(split):
+    """Another fix: accumulate locally, then one all_reduce that every rank makes."""
+    w, batches = collectives._start(split)
+    grad = sum((collectives.batch_gradient(w, x, y) for x, y in batches), torch.zeros_like(w))
+    dist.all_reduce(grad)
+    return grad / sum(split)
 
 
 # The cases each check's table runs (picotron_course.checks.Report): its promise, asserted by every_case.
@@ -98,20 +91,28 @@ CASES = {"chunk_to_send": 9, "reduce_scatter_phase": 12, "all_gather_phase": 12,
          "recursive_doubling_all_reduce": 9, "hang_diagnosis": 3, "fixed gradient": 4}
 
 
-@pytest.mark.parametrize("check, answer", [(check_chunk_to_send, ref_chunk_to_send),
-                                           (check_reduce_scatter_phase, ref_reduce_scatter_phase),
-                                           (check_all_gather_phase, ref_all_gather_phase),
-                                           (check_ring_all_reduce, ref_ring_all_reduce)],
-                         ids=["chunk_to_send", "reduce_scatter", "all_gather", "ring"])
-def test_correct_answer_passes(check, answer, every_case):
+BASES = {"chunk_to_send": (check_chunk_to_send, collectives._chunk),
+         "reduce_scatter": (check_reduce_scatter_phase, collectives._reduce_scatter),
+         "all_gather": (check_all_gather_phase, collectives._all_gather),
+         "ring": (check_ring_all_reduce, collectives._ring),
+         "doubling": (check_recursive_doubling_all_reduce, collectives._doubling),
+         "fix": (lambda fixed: check_hang_diagnosis(RIGHT_HANG, fixed), collectives._fixed_gradient)}
+OTHERS = {"all_gather_in_place": (check_all_gather_phase, ref_all_gather_phase),
+          "ring_by_reshape": (check_ring_all_reduce, ref_ring_all_reduce),
+          "doubling_blocking": (check_recursive_doubling_all_reduce, ref_doubling_blocking),
+          "doubling_shifted": (check_recursive_doubling_all_reduce, ref_doubling_shifted),
+          "fix_one_all_reduce": (lambda fixed: check_hang_diagnosis(RIGHT_HANG, fixed), fixed_one_all_reduce)}
+
+
+@pytest.mark.parametrize("check, answer", list(BASES.values()), ids=list(BASES))
+def test_correct_answer_passes(check, answer, every_case, unrefused):
     check(answer)
     every_case(CASES)
 
 
-@pytest.mark.parametrize("answer", [ref_doubling, ref_doubling_blocking, ref_doubling_shifted],
-                         ids=lambda f: f.__name__)
-def test_correct_doubling_passes(answer, every_case):
-    check_recursive_doubling_all_reduce(answer)
+@pytest.mark.parametrize("check, answer", list(OTHERS.values()), ids=list(OTHERS))
+def test_another_correct_answer_passes(check, answer, every_case):
+    check(answer)
     every_case(CASES)
 
 
@@ -128,7 +129,8 @@ def test_doubling_check_covers_what_the_task_says():
 def test_a_doubling_that_fails_only_on_four_ranks_is_caught_there(capsys):
     """Sending the input instead of the running sum is right on 2 ranks (one step): only the 4-rank rows fail."""
     with pytest.raises(AssertionError):
-        check_recursive_doubling_all_reduce(collectives.doubling_sends_the_input)
+        check_recursive_doubling_all_reduce(next(m.answer for m in collectives.RECURSIVE_DOUBLING.misconceptions
+                                                 if m.name == "doubling_sends_the_input"))
     results = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()
                if line.split() and line.split()[0] in ("2", "4") and line.split()[-1] in ("ok", "FAIL")}
     assert results == {"2": "ok", "4": "FAIL"}
@@ -144,7 +146,6 @@ def fixed_asks_the_reference(split):
     return collectives.mean_gradient(split)
 
 
-RIGHT_HANG = {"rank": 2, "op": "all_reduce", "call": 3}
 
 REFUSED = [
     (check_recursive_doubling_all_reduce, ring_uses_all_reduce, "dist.all_reduce"),
@@ -171,45 +172,6 @@ def test_the_course_answer_and_collectives_are_refused(check, answer, says, caps
 def test_a_diagnosis_that_is_not_a_dict_is_refused():
     with pytest.raises(AssertionError, match="write a dict"):
         check_hang_diagnosis([2, "all_reduce", 3], collectives._fixed_gradient)
-
-
-# ---- part 8: diagnose a hang ------------------------------------------------------------------------
-# gradient_per_micro_batch on HANG_SPLIT = (8, 8, 9, 8): rank 2 has 3 micro-batches, the others 2, so rank 2
-# waits in all_reduce #3 and the others finish after all_reduce #2. The check finds that by running it.
-def _start(split):
-    """Rank 0's weights on every rank, and this rank's examples cut into micro-batches."""
-    rank = dist.get_rank()
-    w = collectives.first_weights() if rank == 0 else torch.empty(collectives.FEATURES, dtype=torch.float64)
-    dist.broadcast(w, src=0)
-    x, y = collectives.shard(rank, split)
-    return w, list(zip(x.split(collectives.MICRO_BATCH), y.split(collectives.MICRO_BATCH)))
-
-
-def fixed_agree_on_steps(split):
-    """The ranks agree on the most micro-batches (all_reduce MAX); a rank out of data all-reduces zeros."""
-    w, batches = _start(split)
-    steps = torch.tensor(len(batches))
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    grad = torch.zeros_like(w)
-    for step in range(int(steps)):
-        g = collectives.batch_gradient(w, *batches[step]) if step < len(batches) else torch.zeros_like(w)
-        dist.all_reduce(g)
-        grad += g
-    return grad / sum(split)
-
-
-def fixed_one_all_reduce(split):
-    """Another fix: accumulate locally, then one all_reduce that every rank makes."""
-    w, batches = _start(split)
-    grad = sum((collectives.batch_gradient(w, x, y) for x, y in batches), torch.zeros_like(w))
-    dist.all_reduce(grad)
-    return grad / sum(split)
-
-
-@pytest.mark.parametrize("fixed", [fixed_agree_on_steps, fixed_one_all_reduce], ids=lambda f: f.__name__)
-def test_correct_diagnosis_and_fix_pass(fixed, every_case):
-    check_hang_diagnosis(RIGHT_HANG, fixed)
-    every_case(CASES)
 
 
 def test_the_check_finds_the_hang_by_running_the_function():
