@@ -4,6 +4,9 @@ One copy here instead of one per chapter; a chapter imports what it needs:
 
     from picotron_course.notebook import caption, max_diff, show_lines, show_source, slowest_median, sync
 
+worst_comparison finds the worst of a proof's picotron.tolerance Comparisons over its ranks, for a chapter's
+one-line verdict; count_passes counts the collectives of a forward, then of its backward (picotron.comm).
+
 take_turns is the timing loop of every chapter that times steps (modes in turns behind a barrier, the first
 round dropped); step_time_figure draws measured step times against the number of ranks (chapters 04, 05).
 
@@ -21,6 +24,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from picotron import comm
 
 
 def caption(fig, text: str) -> None:
@@ -51,6 +56,26 @@ def slowest_median(per_rank: list[list[float]]) -> float:
     """
     reps = len(per_rank[0])
     return statistics.median(max(rank[i] for rank in per_rank) for i in range(reps))
+
+
+def worst_comparison(per_rank: list[dict], names=None) -> tuple[float, str]:
+    """The worst of every rank's picotron.tolerance Comparisons `names` (all of each rank's dict when None), each
+    against one process: (its error / bound, "worst: NAME on rank R, max |difference| E"), for a one-line verdict."""
+    ratio, name, rank, error = max((comparisons[name].ratio, name, rank, comparisons[name].error)
+                                   for rank, comparisons in enumerate(per_rank) for name in names or comparisons)
+    return ratio, f"worst: {name} on rank {rank}, max |difference| {error:.1e}"
+
+
+def count_passes(forward, backward) -> tuple:
+    """(what forward() returned, {"forward": counts, "backward": counts}): the collectives this rank issues in
+    forward(), then in backward(what it returned), each pass counted apart by picotron.comm.counting (counts as
+    CommCounter.snapshot has them: {operation: (calls, payload bytes)})."""
+    with comm.counting() as counter:
+        out = forward()
+    counts = {"forward": counter.snapshot()}
+    with comm.counting() as counter:
+        backward(out)
+    return out, counts | {"backward": counter.snapshot()}
 
 
 def take_turns(step, names, reps: int, warmup: int = 1) -> dict:

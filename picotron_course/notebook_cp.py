@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from matplotlib.patches import FancyArrowPatch, Polygon, Rectangle
 
-from picotron import comm, lockstep, tolerance
+from picotron import lockstep, tolerance
 from picotron.data import DataLoader, cp_positions
 from picotron.memory import GiB
 from picotron.memory_tracking import SavedActivations
@@ -43,7 +43,7 @@ from picotron.parallel.context_parallel_costs import (cp_activation_bytes_per_la
                                                       ring_attention_work)
 from picotron.parallel.data_parallel import all_reduce_gradients
 from picotron_course import notebook
-from picotron_course.notebook import caption, take_turns
+from picotron_course.notebook import caption, count_passes, take_turns, worst_comparison
 
 RANK_COLOURS = [plt.cm.tab10(i) for i in range(4)]
 
@@ -112,11 +112,9 @@ def _compare_grads(local, reference, mine, seq, head_dim) -> dict:
 def worst_error(per_rank: list[dict]) -> str:
     """The one-line verdict over every rank's `errors` (picotron.tolerance Comparisons, one per tensor): how close
     the worst comes to its float32 rounding bound, and where it is."""
-    ratio, name, rank, error = max((e.ratio, name, rank, e.error) for rank, result in enumerate(per_rank)
-                                   for name, e in result["errors"].items())
+    ratio, worst = worst_comparison([result["errors"] for result in per_rank])
     tensors = ", ".join(per_rank[0]["errors"])
-    return (f"{tensors} on {len(per_rank)} ranks within {ratio:.2g} of their float32 rounding bound "
-            f"(worst: {name} on rank {rank}, max |difference| {error:.1e})")
+    return f"{tensors} on {len(per_rank)} ranks within {ratio:.2g} of their float32 rounding bound ({worst})"
 
 
 # ---- section 1: the idea figure --------------------------------------------------------------------
@@ -200,11 +198,8 @@ def ulysses_on_ranks(seq: int, heads: int, kv_heads: int, head_dim: int) -> dict
         seen["q"], seen["k"] = tuple(q.shape), tuple(k.shape)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    with comm.counting() as counter:
-        out = ulysses_attention(*leaves, dist.group.WORLD, attend=core)
-    forward = counter.snapshot()
-    with comm.counting() as counter:
-        out.backward(mine(grad_out))
+    out, counts = count_passes(lambda: ulysses_attention(*leaves, dist.group.WORLD, attend=core),
+                               lambda out: out.backward(mine(grad_out)))
     errors = _compare_grads({"out": out, "leaves": leaves}, reference, mine, seq, head_dim)
     two_kv_heads = torch.randn(2, 2, seq // c, head_dim)                    # 2 key-value heads for 4 ranks
     try:
@@ -212,8 +207,7 @@ def ulysses_on_ranks(seq: int, heads: int, kv_heads: int, head_dim: int) -> dict
         error = "no error"
     except ValueError as e:
         error = str(e)
-    return {"errors": errors, "local": tuple(leaves[0].shape), "seen": seen, "forward": forward,
-            "backward": counter.snapshot(), "error": error}
+    return {"errors": errors, "local": tuple(leaves[0].shape), "seen": seen, **counts, "error": error}
 
 
 # ---- section 3: the proof --------------------------------------------------------------------------------
@@ -324,14 +318,8 @@ def _step_comm(config, dataset, batch: int, mesh, mode: str) -> dict:
     """The collectives of one forward and backward of the whole model on this rank."""
     model = apply_context_parallel(new_model(config), mesh, mode)
     data = DataLoader(dataset, batch, cp_rank=mesh.cp_rank, cp_size=mesh.cp_size, zigzag=mode == "zigzag").get_batch(0)
-    mesh.counter.reset()
-    with comm.counting(mesh.counter):
-        loss = loss_fn(model(data.input_ids, data.position_ids), data.targets)
-    forward = mesh.counter.snapshot()
-    mesh.counter.reset()
-    with comm.counting(mesh.counter):
-        loss.backward()
-    return {"forward": forward, "backward": mesh.counter.snapshot()}
+    return count_passes(lambda: loss_fn(model(data.input_ids, data.position_ids), data.targets),
+                        lambda loss: loss.backward())[1]
 
 
 def _ring_work(seq: int, heads: int, kv_heads: int, head_dim: int, zigzag: bool) -> dict:

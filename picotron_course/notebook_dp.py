@@ -266,9 +266,9 @@ def step_time_figure(step_ms: dict, spread: dict, title: str) -> None:
         ax.text(i, step_ms[n], f"{step_ms[n]:.0f} ms", ha="center", va="bottom", fontsize=9)
     ax.axhline(step_ms["no communication"], color="0.4", ls=":", lw=1)
     ax.set(ylabel="time per step (ms)", title=title)
-    caption(fig, f"Bars: median of {len(spread[names[0]])} repetitions (dots: each repetition, slowest rank). Bucketing "
-            f"removes most of the communication cost: {step_ms['naive'] / step_ms['bucketed']:.1f}x faster than one "
-            "all-reduce per parameter; the dotted line is the compute floor.")
+    caption(fig, f"Bars: median of {len(spread[names[0]])} repetitions (dots: each repetition, slowest rank). "
+            f"Bucketing removes most of the communication cost: {step_ms['naive'] / step_ms['bucketed']:.1f}x faster "
+            "than one all-reduce per parameter; the dotted line is the compute floor.")
     plt.show()
 
 
@@ -345,7 +345,8 @@ def exposed_figure(exposed_seconds, grad_bytes: float, backward_s: float, links:
            title=f"Model: communication left after backward, {grad_bytes / 1e9:.1f} GB of gradients")
     ax.legend(fontsize=8)
     caption(fig, "Computed, not measured. Left wall: thousands of tiny buckets queue up behind their latencies. Right "
-            "wall: one huge bucket starts only after backward, so all of it is exposed. DDP's 25 MiB sits in the valley.")
+            "wall: one huge bucket starts only after backward, so all of it is exposed. DDP's 25 MiB sits in the "
+            "valley.")
     plt.show()
 
 
@@ -365,8 +366,8 @@ def limits_figure(gpus, compute, all_reduce, models: dict, title: str, gpu_gb: f
     ax_m.set(ylabel="GB per GPU (16Ψ, before activations)", title="Data parallelism: every GPU holds everything")
     ax_m.legend(fontsize=8)
     crossover = int(gpus[np.argmax(all_reduce > compute)])
-    caption(fig, f"Computed from the formulas above (not measured). Left: from about {crossover} GPUs on, the all-reduce "
-            "outlasts the whole step's compute, so no overlap can hide it. Right: beyond ~5B parameters the model no "
-            "longer fits on one GPU at all.")
+    caption(fig, f"Computed from the formulas above (not measured). Left: from about {crossover} GPUs on, the "
+            "all-reduce outlasts the whole step's compute, so no overlap can hide it. Right: beyond ~5B parameters "
+            "the model no longer fits on one GPU at all.")
     plt.show()
     return crossover

@@ -45,7 +45,7 @@ from picotron.parallel.expert_parallel import (ExpertParallelGroups, ExpertParal
 from picotron.parallel.expert_parallel_costs import ep_comm_bytes
 from picotron.parallel.tensor_parallel import (apply_tensor_parallel, gather_gradients,
                                                vocab_parallel_cross_entropy)
-from picotron_course.notebook import caption, max_diff, no_frame, sync, take_turns
+from picotron_course.notebook import caption, count_passes, max_diff, no_frame, sync, take_turns
 
 __all__ = ["moe_roundings", "ep_moe_vs_plain", "tp_and_ep", "ProofSetup", "train_proof", "prove", "summed",
            "train_for_load", "dropped_fractions", "time_steps", "expert_params", "draw_dispatch_example",
@@ -242,15 +242,13 @@ def train_proof(setup: ProofSetup, dp: int, ep: int | None = None, reference: di
         logits.clear()
         data = loader.get_batch(step)
         out["samples"] = out["samples"] or data.sample_ids.tolist()
-        with comm.counting() as forward:                  # every collective of this rank, phase by phase
-            loss = loss_fn(model(data.input_ids), data.targets) + model.aux_loss()
-        with comm.counting() as backward:
-            loss.backward()
+        loss, counts = count_passes(lambda: loss_fn(model(data.input_ids), data.targets) + model.aux_loss(),
+                                    lambda loss: loss.backward())   # every collective of this rank, phase by phase
         if ep is not None:
             with comm.counting() as averaging:
                 average_gradients(model, groups)
             if step == 0:
-                out |= {"forward comm": forward.snapshot(), "backward comm": backward.snapshot(),
+                out |= {"forward comm": counts["forward"], "backward comm": counts["backward"],
                         "sync comm": averaging.snapshot(), "splits": [moe.last_splits for moe in model.moe_layers()]}
             loss = loss.detach().clone()
             dist.all_reduce(loss)                         # the global batch's loss: the mean over the dp ranks

@@ -55,7 +55,7 @@ from picotron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallel
                                                vocab_parallel_cross_entropy)
 from picotron.parallel.tensor_parallel_costs import tp_activation_bytes_per_layer, tp_comm_bytes_per_layer
 from picotron_course import notebook
-from picotron_course.notebook import caption, max_diff, no_frame, take_turns
+from picotron_course.notebook import caption, count_passes, max_diff, no_frame, take_turns, worst_comparison
 
 MODES = (("TP", False), ("TP+SP", True))
 
@@ -229,18 +229,15 @@ def column_then_row(column_cls, row_cls, h: int = 16, h_ff: int = 32) -> dict:
 
     column, row = column_cls(first, group), row_cls(second, group)
     x_tp = x.clone().requires_grad_()
-    with comm.counting() as counter:                       # every collective of the block, counted
-        y = row(F.silu(column(x_tp)))                      # (3, 5, h_ff/t) in between
-    forward = counter.snapshot()
-    with comm.counting() as counter:
-        y.backward(grad_out)
+    y, counts = count_passes(lambda: row(F.silu(column(x_tp))),   # (3, 5, h_ff/t) in between
+                             lambda y: y.backward(grad_out))       # every collective of each pass, counted
     n = mlp_roundings(h, h_ff, tokens=x[..., 0].numel())   # sums over h and h_ff, and the 15 tokens
     out = {"output": tolerance.compare(y, y_ref, n=n), "input grad": tolerance.compare(x_tp.grad, x_ref.grad, n=n),
            "weight grads": tolerance.compare_all(
                {"column": column.weight.grad, "row": row.weight.grad},
                {"column": first.weight.grad.chunk(world, 0)[rank], "row": second.weight.grad.chunk(world, 1)[rank]},
                n=n),
-           "forward": forward, "backward": counter.snapshot()}
+           **counts}
 
     x_alone = x.clone().requires_grad_()                   # the same shards, without f and g
     F.linear(F.silu(F.linear(x_alone, column.weight)), row.weight).backward(grad_out)
@@ -309,11 +306,7 @@ def split_layer_vs_plain(setup: Setup, sequence_parallel: bool) -> dict:
     layer = parallelize_layer(copy.deepcopy(plain), group, sequence_parallel=sequence_parallel)
     mine = _mine(sequence_parallel, group)
     x_local = mine(x).detach().requires_grad_()                            # a leaf of its own
-    with comm.counting() as counter:
-        y = layer(x_local, cos, sin)
-    forward = counter.snapshot()
-    with comm.counting() as counter:
-        y.backward(mine(grad_out))
+    y, counts = count_passes(lambda: layer(x_local, cos, sin), lambda y: y.backward(mine(grad_out)))
     grads = gather_gradients(layer, group)
     return {"output": tolerance.compare(y, mine(y_ref), n=n),
             "input grad": tolerance.compare(x_local.grad, mine(x_grad_ref), n=n),
@@ -322,7 +315,7 @@ def split_layer_vs_plain(setup: Setup, sequence_parallel: bool) -> dict:
             "input shape": tuple(x_local.shape),
             "heads": (layer.attn.q_proj.out_features // config.head_dim,       # query heads on this rank
                       layer.attn.k_proj.out_features // config.head_dim),      # key-value heads
-            "forward": forward, "backward": counter.snapshot()}
+            **counts}
 
 
 def tp_layer_and_tiny(setup: Setup, tiny: ModelConfig) -> dict:
@@ -466,26 +459,15 @@ def _layer_comm(setup: Setup, sequence_parallel: bool) -> dict:
     plain, cos, sin, x, _ = layer_inputs(setup)
     layer = parallelize_layer(plain, group, sequence_parallel=sequence_parallel)
     x = _mine(sequence_parallel, group)(x).requires_grad_()
-    with comm.counting() as counter:
-        y = layer(x, cos, sin)
-    forward = counter.snapshot()
-    with comm.counting() as counter:
-        y.sum().backward()
-    return {"forward": forward, "backward": counter.snapshot()}
+    return count_passes(lambda: layer(x, cos, sin), lambda y: y.sum().backward())[1]
 
 
 def _step_comm(setup: Setup, mesh, sequence_parallel: bool) -> dict:
     """The same for a whole model: embedding, layers, LM head and the vocab-parallel loss."""
     model = apply_tensor_parallel(setup.new_model(), mesh, sequence_parallel)
     batch = setup.get_batch(0)
-    mesh.counter.reset()
-    with comm.counting(mesh.counter):
-        loss = vocab_parallel_cross_entropy(model(batch.input_ids), batch.targets, mesh.tp_group)
-    forward = mesh.counter.snapshot()
-    mesh.counter.reset()
-    with comm.counting(mesh.counter):
-        loss.backward()
-    return {"forward": forward, "backward": mesh.counter.snapshot()}
+    return count_passes(lambda: vocab_parallel_cross_entropy(model(batch.input_ids), batch.targets, mesh.tp_group),
+                        lambda loss: loss.backward())[1]
 
 
 def layer_saved_bytes(setup: Setup, sequence_parallel: bool | None = None) -> int:
@@ -660,8 +642,6 @@ def limits_figure(ts, compute, communication, nvlink_only) -> None:
 def worst_case(per_rank: list[dict], names) -> str:
     """The one-line verdict over every rank's picotron.tolerance Comparisons `names` (each against one
     process): how close the worst comes to its float32 rounding bound, and where it is."""
-    ratio, name, rank, error = max((r[name].ratio, name, rank, r[name].error)
-                                   for rank, r in enumerate(per_rank) for name in names)
+    ratio, worst = worst_comparison(per_rank, names)
     return (f"{len(per_rank) * len(names)} cases ({'; '.join(names)}; on {len(per_rank)} ranks): all within float32 "
-            f"round-off of one process, at most {ratio:.2g} x the bound (worst: {name} on rank {rank}, "
-            f"max |difference| {error:.1e})")
+            f"round-off of one process, at most {ratio:.2g} x the bound ({worst})")

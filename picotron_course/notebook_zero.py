@@ -453,8 +453,9 @@ def state_bytes_figure(measured: dict, playbook, psi: int) -> None:
                title=f"N = {world}: bytes per rank (left bar fp32, right hatched bf16 mixed)")
     axes[0].set_ylabel("MiB per rank (measured)")
     axes[0].legend(fontsize=8)
-    caption(fig, "Measured state per rank after a step; black ticks: the Playbook's formula, on top of each bar. Stage 3 "
-            "divides everything by N; fp32 and bf16 mixed cost the same 16 bytes per parameter, split differently.")
+    caption(fig, "Measured state per rank after a step; black ticks: the Playbook's formula, on top of each bar. "
+            "Stage 3 divides everything by N; fp32 and bf16 mixed cost the same 16 bytes per parameter, split "
+            "differently.")
     plt.show()
 
 
@@ -774,10 +775,10 @@ def limits_figure(config, held_bytes: float, acts: dict, gpu_bytes: float, rate:
     ax_c.set(xlabel="tokens per GPU per micro-batch T", ylabel="communication time / compute time",
              title=f"Can the bytes hide? (any model, R = {rate / 1e12:.0f} TFLOP/s)")
     ax_c.legend(fontsize=7, loc="lower left")
-    caption(fig, "Computed, not measured. Left: ZeRO-3 divides the state by N but leaves the activations and the gathered "
-            "units, so from about N = 8 activations dominate, and a 32k-token sequence fits at no N. Right: below the "
-            "black line the bytes can hide behind compute; across nodes ZeRO-3 needs about 9,000 tokens per GPU per "
-            "micro-batch.")
+    caption(fig, "Computed, not measured. Left: ZeRO-3 divides the state by N but leaves the activations and the "
+            "gathered units, so from about N = 8 activations dominate, and a 32k-token sequence fits at no N. Right: "
+            "below the black line the bytes can hide behind compute; across nodes ZeRO-3 needs about 9,000 tokens per "
+            "GPU per micro-batch.")
     plt.show()
 
 
@@ -812,8 +813,8 @@ def stage_bars_figure(gathered_peak, gpu_bytes: float) -> list[float]:
     ax.legend(handles[:5], names[:5], fontsize=8, loc="lower right")
     ax.set(xlabel="memory per GPU (GiB)", xlim=(0, 175),
            title="Llama-3-8B, bf16 mixed, 8 GPUs, 1 x 4096 tokens each, sdpa")
-    caption(fig, "From the formulas. ZeRO-1 already brings the 8B model under one H100 (dashed) on 8 GPUs; ZeRO-3 leaves "
-            "mostly activations, which no stage shards.")
+    caption(fig, "From the formulas. ZeRO-1 already brings the 8B model under one H100 (dashed) on 8 GPUs; ZeRO-3 "
+            "leaves mostly activations, which no stage shards.")
     plt.show()
     return totals
 
