@@ -2,10 +2,11 @@
 
 The correct answers are the checks' own correct bases (the course's answers, which the checks refuse:
 unrefused here) and others written here, not taken from the solution notebook (which runs under nbval on
-its own); the checks' only reference is the sum one process computes. The wrong answers are the checks' misconceptions (picotron_course/checks_collectives.py),
-each failing with its hint (tests/test_misconceptions.py); tests/test_course.py runs the guided part's
-checks on answers of its own too.
+its own); the checks' only reference is the sum one process computes. The wrong answers are the checks'
+misconceptions (picotron_course/checks_collectives.py), each failing with its hint (tests/test_misconceptions.py).
 """
+
+import ast
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import picotron.comm
 from picotron.comm import send_recv
 from picotron_course import checks_collectives as collectives
+from picotron_course.checks import CollectiveNotAllowed
 from picotron_course.checks_collectives import (check_all_gather_phase, check_chunk_to_send, check_hang_diagnosis,
                                                 check_recursive_doubling_all_reduce, check_reduce_scatter_phase,
                                                 check_ring_all_reduce)
@@ -39,6 +41,40 @@ def ref_ring_all_reduce(tensor):
     ref_all_gather_phase(chunks, rank, world)
     tensor.copy_(flat[: tensor.numel()].reshape(tensor.shape))
     return tensor
+
+
+def _ring_by(exchange):
+    """The ring with each step's send and receive made by exchange(chunk to send, where to receive, rank, world)."""
+    def ring(tensor):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        k = -(-tensor.numel() // world)
+        flat = tensor.new_zeros(world * k)
+        flat[: tensor.numel()] = tensor.flatten()
+        chunks, buffer = list(flat.split(k)), torch.empty(k, dtype=tensor.dtype)
+        for step in range(2 * (world - 1)):
+            into = buffer if step < world - 1 else chunks[(rank - 1 - step) % world]
+            exchange(chunks[(rank - step) % world], into, rank, world)
+            if step < world - 1:
+                chunks[(rank - 1 - step) % world] += buffer
+        tensor.copy_(flat[: tensor.numel()].reshape(tensor.shape))
+        return tensor
+    return ring
+
+
+def _isend_irecv(chunk, into, rank, world):
+    for request in [dist.isend(chunk, (rank + 1) % world), dist.irecv(into, (rank - 1) % world)]:
+        request.wait()
+
+
+def _blocking(chunk, into, rank, world):   # even ranks send first, odd ranks receive first
+    send = lambda: dist.send(chunk.clone(), (rank + 1) % world)
+    recv = lambda: dist.recv(into, (rank - 1) % world)
+    for op in ((send, recv) if rank % 2 == 0 else (recv, send)):
+        op()
+
+
+ring_with_isend_irecv = _ring_by(_isend_irecv)           # the same ring, with dist.isend / dist.irecv and waits
+ring_with_blocking_send_recv = _ring_by(_blocking)       # and with blocking dist.send / dist.recv
 
 
 def ref_doubling_blocking(tensor):
@@ -99,6 +135,9 @@ BASES = {"chunk_to_send": (check_chunk_to_send, collectives._chunk),
          "fix": (lambda fixed: check_hang_diagnosis(RIGHT_HANG, fixed), collectives._fixed_gradient)}
 OTHERS = {"all_gather_in_place": (check_all_gather_phase, ref_all_gather_phase),
           "ring_by_reshape": (check_ring_all_reduce, ref_ring_all_reduce),
+          # sent bytes within the ring's bound whatever the point-to-point API: counted once, not twice
+          "ring_isend_irecv": (check_ring_all_reduce, ring_with_isend_irecv),
+          "ring_blocking": (check_ring_all_reduce, ring_with_blocking_send_recv),
           "doubling_blocking": (check_recursive_doubling_all_reduce, ref_doubling_blocking),
           "doubling_shifted": (check_recursive_doubling_all_reduce, ref_doubling_shifted),
           "fix_one_all_reduce": (lambda fixed: check_hang_diagnosis(RIGHT_HANG, fixed), fixed_one_all_reduce)}
@@ -114,6 +153,26 @@ def test_correct_answer_passes(check, answer, every_case, unrefused):
 def test_another_correct_answer_passes(check, answer, every_case):
     check(answer)
     every_case(CASES)
+
+
+def test_ring_check_covers_the_cases_it_promises():
+    """World sizes 2-4, float32 and float64, sizes that split over the ranks and sizes that do not."""
+    assert set(collectives.RING_WORLDS) >= {2, 3, 4} and set(collectives.RING_DTYPES) == {torch.float32, torch.float64}
+    numels = [(world, torch.Size(shape).numel()) for world in collectives.RING_WORLDS
+              for shape in collectives.RING_SHAPES]
+    assert any(n % w == 0 for w, n in numels) and any(n % w for w, n in numels) and any(n < w for w, n in numels)
+    assert any(len(shape) > 1 for shape in collectives.RING_SHAPES)
+
+
+def test_remainder_bug_fails_only_where_world_does_not_divide(capsys):
+    with pytest.raises(AssertionError):
+        check_ring_all_reduce(next(m.answer for m in collectives.RING_ALL_REDUCE.misconceptions
+                                   if m.name == "ring_drops_remainder"))
+    for line in capsys.readouterr().out.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("2", "3", "4") and parts[-1] in ("ok", "FAIL"):
+            numel = torch.Size(ast.literal_eval(" ".join(parts[1:-5]))).numel()
+            assert (parts[-1] == "ok") == (numel % int(parts[0]) == 0), line
 
 
 def test_doubling_check_covers_what_the_task_says():
@@ -146,8 +205,8 @@ def fixed_asks_the_reference(split):
     return collectives.mean_gradient(split)
 
 
-
 REFUSED = [
+    (check_ring_all_reduce, ring_uses_all_reduce, "dist.all_reduce"),
     (check_recursive_doubling_all_reduce, ring_uses_all_reduce, "dist.all_reduce"),
     (check_ring_all_reduce, picotron.comm.ring_all_reduce, "the course's answer"),
     (check_ring_all_reduce, collectives._ring, "the course's answer"),
@@ -167,6 +226,10 @@ def test_the_course_answer_and_collectives_are_refused(check, answer, says, caps
     with pytest.raises(AssertionError, match=says):
         check(answer)
     assert "FAIL" not in capsys.readouterr().out.split("check fixed gradient")[-1]   # refused before its table
+
+
+def test_collective_not_allowed_is_an_assertion():
+    assert issubclass(CollectiveNotAllowed, AssertionError)
 
 
 def test_a_diagnosis_that_is_not_a_dict_is_refused():
