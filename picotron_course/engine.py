@@ -38,8 +38,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from picotron_course.checks import Report, close_enough, close_in_training, max_abs_error, mismatch, preview
 from picotron_course import settings
+from picotron_course.checks import Report, close_enough, close_in_training, max_abs_error, mismatch, preview
 from picotron_course.checks import not_the_course_answer
 from picotron_course.checks import on_ranks as launch
 
@@ -328,7 +328,6 @@ def observe_in_process(run_case: Callable) -> Callable:
     """observe(answers, cases) in this process: run_case(answer, case) -> what it saw, of every answer on every
     case."""
     return lambda answers, cases: [[run_case(answer, case) for case in cases] for answer in answers]
-
 
 
 def observe_on_ranks(world: int, run_case: Callable, groups: Callable | None = None, key: str = "",
