@@ -33,3 +33,15 @@ def every_case():
         wrong = [(title, n, expected.get(title)) for title, n in Report.finished if n != expected.get(title)]
         assert not wrong, f"(table, cases it ran, cases expected): {wrong}"
     return ran
+
+
+@pytest.fixture
+def refusing_nothing(monkeypatch):
+    """For the test of a checks module's own correct bases (the records' parents, which the checks refuse as
+    answers): `refusing_nothing(module)` switches Check.refuse off for every check the module declares, for this
+    test only. It reaches this process alone: checks whose ranks refuse too need another way (an unrefused copy)."""
+    def off(module) -> None:
+        from picotron_course.engine import Check
+        for declared in [value for value in vars(module).values() if isinstance(value, Check)]:
+            monkeypatch.setattr(declared, "course", None)
+    return off

@@ -19,7 +19,6 @@ from picotron_course.checks import CollectiveNotAllowed
 from picotron_course.checks_collectives import (check_all_gather_phase, check_chunk_to_send, check_hang_diagnosis,
                                                 check_recursive_doubling_all_reduce, check_reduce_scatter_phase,
                                                 check_ring_all_reduce)
-from picotron_course.engine import Check
 
 
 # ---- correct answers: the checks' own bases (unrefused here), and others -----------------------------------
@@ -105,10 +104,9 @@ def ref_doubling_shifted(tensor):
 
 
 @pytest.fixture
-def unrefused(monkeypatch):
-    """Check.refuse refuses nothing: the checks' own bases pass as answers (only this process refuses them)."""
-    for declared in [v for v in vars(collectives).values() if isinstance(v, Check)]:
-        monkeypatch.setattr(declared, "course", None)
+def unrefused(refusing_nothing):
+    """The checks' own bases pass as answers (only this process refuses them)."""
+    refusing_nothing(collectives)
 
 
 RIGHT_HANG = {"rank": 2, "op": "all_reduce", "call": 3}   # what the report of HANG_SPLIT shows

@@ -15,7 +15,6 @@ from picotron_course.checks_pp import (COURSE_SCHEDULES, STRUCTURE_CASES, TRAIN_
                                        check_one_f_one_b_actions, check_one_f_one_b_training, check_zb_h1_actions,
                                        show_timeline)
 from picotron.parallel.pipeline_schedules import Action
-from picotron_course.engine import Check
 
 
 # ---- correct answers: the checks' own bases, and others --------------------------------------------
@@ -82,15 +81,14 @@ CASES = {"afab_actions": 10, "one_f_one_b_actions": 10, "zb_h1_actions": 10, "on
                                            (check_one_f_one_b_training, ref_1f1b)],
                          ids=["afab_base", "afab_tuples", "1f1b_base", "1f1b", "1f1b_queue", "zb_h1_base", "zb_h1",
                               "zb_h1_pending", "training"])
-def test_correct_answer_passes(check, answer, every_case, monkeypatch):
+def test_correct_answer_passes(check, answer, every_case, monkeypatch, refusing_nothing):
     """With the course's schedules broken: the checks judge with picotron's simulator (the exercise hands it to the
     learner), never with its schedules (what the exercise teaches). The refusal is off (the checks' own bases)."""
     def broken(*args, **kwargs):
         raise RuntimeError("the check called the course's schedules")
     for name in COURSE_SCHEDULES:
         monkeypatch.setattr(pipeline_schedules, name, broken)
-    for declared in [v for v in vars(checks_pp).values() if isinstance(v, Check)]:
-        monkeypatch.setattr(declared, "course", None)   # Check.refuse refuses nothing (the lists reach no rank)
+    refusing_nothing(checks_pp)   # the checks' own schedules pass (the lists reach no rank)
     check(answer)
     every_case(CASES)
 
