@@ -260,7 +260,11 @@ class Check:
 
     def __call__(self, answer) -> None:
         self.refuse(answer)
-        observed = self.observe([answer], self.cases)[0]
+        self.judge(self.observe([answer], self.cases)[0])
+
+    def judge(self, observed: list) -> None:
+        """Judge an answer by what it was seen to do (one observation dict a case): print the table, and raise
+        AssertionError with the hint of the misconception it reproduces when it is wrong."""
         expected = [self.expect(case, got) for case, got in zip(self.cases, observed)]
         differences = [self.differences(got, want) for got, want in zip(observed, expected)]
         report = Report(self.title, self.note)
