@@ -39,8 +39,15 @@ kernels of the versions that use tensor descriptors, forward v2 and v3 and backw
                  blocks (padded rows need none: they load as zeros and add nothing); and one dkdv program per
                  key/value head that loops over its group of query heads, so dK, dV are written once in k's
                  dtype instead of per query head in fp32 and added up by torch.
+    backward v3  v2 with dkdv's products turned around: S^T = K Q^T, so P^T and dS^T come out of the dots as
+                 dV += P^T dO and dK += dS^T Q take them, where v2 transposed P and dS in registers every step;
+                 and each kernel its own tiles, warps and stages, found by timing (autotuning) among configs
+                 that compile for sm_90 without spilling. Compiled for sm_90 (triton 3.9.0), v1's and v2's dkdv
+                 spill 104 and 256 bytes of registers per thread to local memory at their 64 x 64 tiles; v3's
+                 configs none.
 
-`flash_attention(..., version=1)` runs v1 both ways, version=2 v2 both ways.
+`flash_attention(..., version=N)` runs version N both ways (forward v3 is v2's kernel autotuned). Versions 2 and 3
+take any BLOCK_M and BLOCK_N (the causal split crosses one tile or several); v1 takes BLOCK_M a multiple of BLOCK_N.
 
 Scores are scaled by scale * log2(e) so that exp becomes exp2, the GPU's native instruction.
 Grouped-query attention (fewer key/value heads, as picotron's Llama) reads key/value head
@@ -57,13 +64,14 @@ import torch
 import triton
 import triton.language as tl
 
-from picotron.kernels.attention_tma import (attention_backward_dkdv_kernel_v2, attention_backward_dq_kernel_v2,
+from picotron.kernels.attention_tma import (attention_backward_dkdv_kernel_v2, attention_backward_dkdv_kernel_v3,
+                                            attention_backward_dq_kernel_v2, attention_backward_dq_kernel_v3,
                                             attention_forward_kernel_v2, attention_forward_kernel_v3)
 from picotron.kernels.runtime import INTERPRETED, check_device, use_device_descriptors
 
 __all__ = ["attention_forward_kernel_v1", "attention_backward_dkdv_kernel_v1", "attention_backward_dq_kernel_v1",
            "attention_forward_v1", "attention_forward_v2", "attention_forward_v3", "attention_backward_v1",
-           "attention_backward_v2", "VERSIONS", "FlashAttentionFunction", "flash_attention"]
+           "attention_backward_v2", "attention_backward_v3", "VERSIONS", "FlashAttentionFunction", "flash_attention"]
 
 LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e))
 
@@ -269,12 +277,14 @@ def _blocks(head_dim: int, backward: bool = False, element_size: int = 2) -> tup
     return 128, 64, 8, 2 if head_dim > 128 or element_size > 2 else 3
 
 
-def _checked_blocks(blocks: tuple[int, int]) -> tuple[int, int]:
+def _checked_blocks(blocks: tuple[int, int], any_ratio: bool = False) -> tuple[int, int]:
+    """blocks, checked: powers of two >= 16, and (v1) BLOCK_M a multiple of BLOCK_N."""
     block_m, block_n = blocks
     powers = all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n))
-    if not powers or block_m % block_n:
+    if not powers or (block_m % block_n and not any_ratio):
         raise ValueError(f"blocks={blocks}: BLOCK_M and BLOCK_N must be powers of two >= 16 (tl.dot's smallest "
-                         "tile) and BLOCK_M a multiple of BLOCK_N (the causal loop splits at block edges)")
+                         "tile) and, in version 1, BLOCK_M a multiple of BLOCK_N (the causal loop splits at "
+                         "block edges)")
     return block_m, block_n
 
 
@@ -350,7 +360,7 @@ def attention_forward_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     block_m, block_n, warps, stages = _blocks(head_dim, element_size=q.element_size())
     if blocks is not None:
-        block_m, block_n = _checked_blocks(blocks)
+        block_m, block_n = _checked_blocks(blocks, any_ratio=True)
     use_device_descriptors()
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
     attention_forward_kernel_v2[grid](
@@ -362,10 +372,14 @@ def attention_forward_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 
 
 def attention_forward_v3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                         scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float | None = None,
+                         blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As attention_forward_v2, with BLOCK_M, BLOCK_N, num_warps and num_stages found by timing the configs of
     attention_tma.FORWARD_CONFIGS the first time a (seq_q, seq_k, head_dim, causal) is seen (v3);
-    attention_tma.attention_forward_kernel_v3.best_config tells which won."""
+    attention_tma.attention_forward_kernel_v3.best_config tells which won. blocks: tiles of one's own instead
+    (then it is v2)."""
+    if blocks is not None:
+        return attention_forward_v2(q, k, v, causal, scale, blocks)
     group = _check_shapes(q, k, v)
     q, k, v = _last_dim_contiguous(q, k, v)
     _check_tma(q, k, v)
@@ -418,7 +432,24 @@ def attention_backward_v2(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                           lse: torch.Tensor, causal: bool = True, scale: float | None = None,
                           blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As attention_backward_v1 (v2): tiles through descriptors, masks on diagonal blocks only, and dK, dV of a
-    key/value head made by one program over its group of query heads (no per-query-head copies to add)."""
+    key/value head made by one program over its group of query heads (no per-query-head copies to add).
+    blocks: any two powers of two >= 16."""
+    return _backward_by_descriptors(do, q, k, v, out, lse, causal, scale, blocks, version=2)
+
+
+def attention_backward_v3(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, causal: bool = True, scale: float | None = None,
+                          blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As attention_backward_v2 (v3): dkdv computes S^T = K Q^T, so P^T and dS^T need no transposing, and each
+    kernel finds its own tiles, warps and stages by timing attention_tma.DKDV_CONFIGS and DQ_CONFIGS (the
+    first time a (seq_q, seq_k, head_dim, group, causal) is seen; `.best_config` of each kernel says which won).
+    blocks: (BLOCK_M, BLOCK_N) for both kernels instead of timing, any two powers of two >= 16."""
+    return _backward_by_descriptors(do, q, k, v, out, lse, causal, scale, blocks, version=3)
+
+
+def _backward_by_descriptors(do, q, k, v, out, lse, causal, scale, blocks, version: int):
+    """Backward v2 and v3: both launch attention_tma's two kernels; v3 with KEYS_MAJOR and, unless blocks are
+    given, through their autotuners."""
     group = _check_shapes(q, k, v)
     q, do = q.contiguous(), do.contiguous()
     k, v = _last_dim_contiguous(k, v)
@@ -430,21 +461,29 @@ def attention_backward_v2(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dq = torch.empty_like(q)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)       # per key/value head, in k's dtype
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    block_m, block_n, warps, stages = _blocks(head_dim, backward=True, element_size=q.element_size())
-    if blocks is not None:
-        block_m, block_n = _checked_blocks(blocks)
     use_device_descriptors()
-    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
-                  DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
-    attention_backward_dkdv_kernel_v2[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
+    common = dict(BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, DOT_FP32=INTERPRETED,
+                  PRECISION=_precision(q.dtype))
+    dkdv, dq_kernel = attention_backward_dkdv_kernel_v2, attention_backward_dq_kernel_v2
+    if version == 3 and blocks is None:
+        dkdv, dq_kernel = attention_backward_dkdv_kernel_v3, attention_backward_dq_kernel_v3
+    else:
+        block_m, block_n, warps, stages = _blocks(head_dim, backward=True, element_size=q.element_size())
+        if blocks is not None:
+            block_m, block_n = _checked_blocks(blocks, any_ratio=True)
+        common.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    dkdv[lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3],
-        batch, heads, kv_heads, group, seq_q, seq_k, head_dim, scale * LOG2E, scale, **common)
-    attention_backward_dq_kernel_v2[(triton.cdiv(seq_q, block_m), batch * heads)](
+        batch, heads, kv_heads, group, seq_q, seq_k, head_dim, scale * LOG2E, scale, KEYS_MAJOR=version == 3,
+        **common)
+    dq_kernel[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
         q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         batch, heads, kv_heads, group, seq_q, seq_k, head_dim, scale * LOG2E, scale, **common)
     return dq, dk, dv
 
-VERSIONS = {1: (attention_forward_v1, attention_backward_v1), 2: (attention_forward_v2, attention_backward_v2)}
+
+VERSIONS = {1: (attention_forward_v1, attention_backward_v1), 2: (attention_forward_v2, attention_backward_v2),
+            3: (attention_forward_v3, attention_backward_v3)}
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -473,7 +512,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale=scale, enable_gqa=True). q (batch, heads, seq_q, d), k and v (batch, kv_heads, seq_k, d); the causal
     mask is aligned top-left (query i sees keys 0..i), as SDPA's. Differentiable in q, k and v.
     blocks: (BLOCK_M, BLOCK_N) tile sizes instead of the defaults (see attention_forward_v1).
-    version: which forward and backward kernels (1 or 2; the module's docstring says what each changes)."""
+    version: which forward and backward kernels (1, 2 or 3; the module's docstring says what each changes)."""
     if version not in VERSIONS:
         raise ValueError(f"version={version!r}; choose one of {sorted(VERSIONS)}")
     return FlashAttentionFunction.apply(q, k, v, causal, scale, blocks, version)

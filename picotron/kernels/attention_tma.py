@@ -1,5 +1,5 @@
 """FlashAttention kernels that move their tiles through tensor descriptors (TMA on Hopper): forward v2 and v3,
-backward v2. Their launchers, and what each version changes, are in attention.py (chapters/09_gpu_kernels.ipynb).
+backward v2 and v3. Their launchers, and what each version changes, are in attention.py (chapters/09_gpu_kernels.ipynb).
 
 A descriptor (tl.make_tensor_descriptor) knows a tensor's shape and strides; a load or store names a tile by its
 corner. Compiled for sm_90 each is one TMA instruction, which copies the tile between HBM and shared memory
@@ -15,7 +15,8 @@ import triton.language as tl
 from picotron.kernels.runtime import INTERPRETED
 
 __all__ = ["attention_forward_kernel_v2", "attention_forward_kernel_v3", "FORWARD_CONFIGS",
-           "attention_backward_dkdv_kernel_v2", "attention_backward_dq_kernel_v2"]
+           "attention_backward_dkdv_kernel_v2", "attention_backward_dq_kernel_v2", "attention_backward_dkdv_kernel_v3",
+           "attention_backward_dq_kernel_v3", "DKDV_CONFIGS", "DQ_CONFIGS"]
 
 
 # ---- forward v2: tiles through tensor descriptors (TMA on Hopper) -------------------------------
@@ -80,11 +81,12 @@ def attention_forward_kernel_v2(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:
+    if CAUSAL:   # as v1, split at the start of the key block holding start_m (any BLOCK_M and BLOCK_N)
+        mid = (start_m // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, 0,
-                                          tl.minimum(start_m, seq_k), qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32,
+                                          tl.minimum(mid, seq_k), qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32,
                                           PRECISION)
-        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, start_m,
+        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, mid,
                                           tl.minimum(start_m + BLOCK_M, seq_k), qk_scale, BLOCK_N, BLOCK_D, True,
                                           DOT_FP32, PRECISION)
     else:
@@ -98,12 +100,12 @@ def attention_forward_kernel_v2(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
 
 # ---- forward v3: v2 with its tiles, warps and stages chosen by timing (autotuning) ------------------------
 # The best tile shape depends on the GPU, head_dim and the sequence: FlashAttention-2 and Triton's tutorial
-# both pick among a few. Every config keeps BLOCK_M a multiple of BLOCK_N (the causal split needs it); one
-# whose shared memory does not fit is skipped by the autotuner. In the interpreter only the first runs: timing
-# Python there would pick nothing a GPU would.
+# both pick among a few. Every config here compiles for sm_90 (head_dim 128, bf16) without spilling registers
+# (python -m picotron.kernels.report); one whose shared memory does not fit a smaller GPU is skipped by the
+# autotuner. In the interpreter only one runs: timing Python there would pick nothing a GPU would.
 FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                   for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4), (64, 64, 4, 3),
-                                      (128, 32, 4, 4), (256, 64, 8, 2))]
+                   for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3),
+                                      (128, 32, 4, 4), (256, 32, 8, 3))]
 attention_forward_kernel_v3 = triton.autotune(
     configs=[triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)] if INTERPRETED
     else FORWARD_CONFIGS, key=["seq_q", "seq_k", "head_dim", "CAUSAL"])(attention_forward_kernel_v2)
@@ -113,9 +115,13 @@ attention_forward_kernel_v3 = triton.autotune(
 @triton.jit
 def _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n, seq_q,
                     lo, hi, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
-                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                    KEYS_MAJOR: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """Add query blocks [lo, hi) of one query head to the dK, dV of a key block. Query rows past seq_q come in
-    as zeros (q, dO) with D = 0, so they add nothing: no mask is needed but the causal one (MASK)."""
+    as zeros (q, dO) with D = 0, so they add nothing: no mask is needed but the causal one (MASK).
+
+    v2 computes S = Q K^T (queries, keys) and transposes P and dS, tiles held in registers, for dV += P^T dO and
+    dK += dS^T Q: each transpose a trip through shared memory, every step. v3 (KEYS_MAJOR) turns every product
+    around: S^T = K Q^T is (keys, queries), so P^T and dS^T come out of the dots as those two take them."""
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = q_desc.load([batch, head, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
@@ -125,12 +131,20 @@ def _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base,
             do = do.to(tl.float32)
         lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < seq_q, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < seq_q, other=0.0)
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
-        if MASK:
-            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        if KEYS_MAJOR:
+            p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+            if MASK:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        else:
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+            if MASK:
+                p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     return dk, dv
 
 
@@ -140,9 +154,11 @@ def attention_backward_dkdv_kernel_v2(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delt
                                       stride_vb, stride_vh, stride_vn, stride_gb, stride_gh, stride_gm,
                                       batches, n_heads, kv_heads, group, seq_q, seq_k, head_dim, qk_scale, scale,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                      CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                                      CAUSAL: tl.constexpr, KEYS_MAJOR: tl.constexpr, DOT_FP32: tl.constexpr,
+                                      PRECISION: tl.constexpr):
     # One program per (key block, batch, key/value head): it visits the `group` query heads that read this
     # head and writes dK, dV once, per key/value head (v1 wrote them per query head for torch to add up).
+    # KEYS_MAJOR: v3's loop (_dkdv_blocks_v2).
     start_n = tl.program_id(0) * BLOCK_N
     batch = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
@@ -160,19 +176,22 @@ def attention_backward_dkdv_kernel_v2(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delt
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Causal: queries before the block holding start_n never see these keys; from there to start_n + BLOCK_N the
+    # query blocks cross the diagonal (masked: one block, or BLOCK_N / BLOCK_M of them); the rest see every key.
+    lo = 0
+    mid = 0
+    if CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        mid = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M
     for g in range(group):
         head = kv_head * group + g
         row_base = (batch * n_heads + head) * seq_q
-        if CAUSAL:   # queries before start_n never see these keys; only the first query block crosses the diagonal
-            lo = (start_n // BLOCK_M) * BLOCK_M
+        if CAUSAL:
             dk, dv = _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n,
-                                     seq_q, lo, tl.minimum(lo + BLOCK_M, seq_q), qk_scale, BLOCK_M, BLOCK_D, True,
+                                     seq_q, lo, tl.minimum(mid, seq_q), qk_scale, BLOCK_M, BLOCK_D, True, KEYS_MAJOR,
                                      DOT_FP32, PRECISION)
-            dk, dv = _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n,
-                                     seq_q, lo + BLOCK_M, seq_q, qk_scale, BLOCK_M, BLOCK_D, False, DOT_FP32, PRECISION)
-        else:
-            dk, dv = _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n,
-                                     seq_q, 0, seq_q, qk_scale, BLOCK_M, BLOCK_D, False, DOT_FP32, PRECISION)
+        dk, dv = _dkdv_blocks_v2(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, row_base, batch, head, offs_n,
+                                 seq_q, mid, seq_q, qk_scale, BLOCK_M, BLOCK_D, False, KEYS_MAJOR, DOT_FP32, PRECISION)
     dk = (dk * scale).to(dk_ptr.dtype.element_ty)
     dk_desc.store([batch, kv_head, start_n, 0], dk.reshape(1, 1, BLOCK_N, BLOCK_D))
     dv_desc.store([batch, kv_head, start_n, 0], dv.to(dv_ptr.dtype.element_ty).reshape(1, 1, BLOCK_N, BLOCK_D))
@@ -225,12 +244,32 @@ def attention_backward_dq_kernel_v2(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_
     lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < seq_q, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < seq_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:   # keys before start_m: every row sees them; the diagonal block: masked; later keys: never seen
+    if CAUSAL:   # key blocks before the one holding start_m: every row sees them; from there to the block's last
+        # row: masked (one block, or BLOCK_M / BLOCK_N of them when key blocks are the smaller); later keys: never seen
+        mid = (start_m // BLOCK_N) * BLOCK_N
         dq = _dq_blocks_v2(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, offs_m, 0,
-                           tl.minimum(start_m, seq_k), qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32, PRECISION)
-        dq = _dq_blocks_v2(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, offs_m, start_m,
+                           tl.minimum(mid, seq_k), qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32, PRECISION)
+        dq = _dq_blocks_v2(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, offs_m, mid,
                            tl.minimum(start_m + BLOCK_M, seq_k), qk_scale, BLOCK_N, BLOCK_D, True, DOT_FP32, PRECISION)
     else:
         dq = _dq_blocks_v2(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, offs_m, 0, seq_k, qk_scale,
                            BLOCK_N, BLOCK_D, False, DOT_FP32, PRECISION)
     dq_desc.store([batch, head, start_m, 0], (dq * scale).to(dq_ptr.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+
+
+# ---- backward v3: v2's kernels, dK, dV from P^T directly (KEYS_MAJOR), each kernel's tiles chosen by timing --
+# Each kernel its own tiles: dkdv keeps dK and dV of BLOCK_N keys (2 x BLOCK_N x head_dim fp32) all along and streams
+# queries past them; dq keeps dQ of BLOCK_M queries and streams keys. Every config here compiles for sm_90 without
+# spilling registers (python -m picotron.kernels.report; tests/test_kernels.py checks it).
+DKDV_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                for m, n, w, s in ((32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (16, 64, 4, 3))]
+DQ_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+              for m, n, w, s in ((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3))]
+_INTERPRETER_CONFIG = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
+_BACKWARD_KEY = ["seq_q", "seq_k", "head_dim", "group", "CAUSAL"]
+
+
+attention_backward_dkdv_kernel_v3 = triton.autotune(   # launched with KEYS_MAJOR=True
+    configs=_INTERPRETER_CONFIG if INTERPRETED else DKDV_CONFIGS, key=_BACKWARD_KEY)(attention_backward_dkdv_kernel_v2)
+attention_backward_dq_kernel_v3 = triton.autotune(
+    configs=_INTERPRETER_CONFIG if INTERPRETED else DQ_CONFIGS, key=_BACKWARD_KEY)(attention_backward_dq_kernel_v2)

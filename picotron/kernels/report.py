@@ -13,7 +13,9 @@ ptx, cubin); the cuobjdump that ships with Triton reads the cubin's resource usa
 Per kernel version, with the tile sizes and warps its launcher picks for a typical shape:
 
     registers     per thread (at most 255); more threads' worth than an SM holds means fewer programs per SM
-    local bytes   registers spilled to local memory (per thread; it lives in HBM, behind the caches): 0 is the goal
+    local bytes   per thread, in local memory (it lives in HBM, behind the caches): the stack frame, where the
+                  registers that did not fit are spilled, and local arrays. 0 is the goal. (cuobjdump reports spills
+                  under STACK, not LOCAL: reading LOCAL alone shows 0 for a kernel that spills.)
     shared        bytes of shared memory per program (an H100 gives one program at most 227 KB)
     HGMMA         Hopper's warpgroup matrix instructions (wgmma): a tl.dot on tensor cores, asynchronous
     HMMA          the older warp-level mma.sync (Ampere's): tensor cores, but synchronous
@@ -122,7 +124,7 @@ def compile_report(kernel, types: dict[str, str], constexprs: dict, warps: int, 
             f.write(compiled.asm["cubin"])
         usage, sass = _cuobjdump("-res-usage", cubin), _cuobjdump("-sass", cubin)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    local = sum(int(re.search(rf"{part}:(\d+)", usage).group(1)) for part in ("STACK", "LOCAL"))   # spills: STACK
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     counts = {field: sum(op == mnemonic or op.startswith(mnemonic + ".") for op in opcodes)
               for field, mnemonic in INSTRUCTIONS.items()}
@@ -169,7 +171,14 @@ def h100_builds() -> list[tuple]:
     block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=2)
     for kernel in (attention.attention_backward_dkdv_kernel_v1, attention.attention_backward_dq_kernel_v1,
                    attention_tma.attention_backward_dkdv_kernel_v2, attention_tma.attention_backward_dq_kernel_v2):
-        builds.append((kernel, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages))
+        major = dict(KEYS_MAJOR=False) if kernel is attention_tma.attention_backward_dkdv_kernel_v2 else {}
+        builds.append((kernel, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, **major), warps, stages))
+    for kernel, configs, major in ((attention_tma.attention_backward_dkdv_kernel_v3, attention_tma.DKDV_CONFIGS,
+                                    dict(KEYS_MAJOR=True)),
+                                   (attention_tma.attention_backward_dq_kernel_v3, attention_tma.DQ_CONFIGS, {})):
+        for config in configs:                       # backward v3: each config its autotuners may pick
+            builds.append((kernel, tensors, dict(flash, **config.kwargs, **major), config.num_warps,
+                           config.num_stages))
     return builds
 
 
