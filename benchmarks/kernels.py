@@ -16,7 +16,8 @@ What it measures (chapter 09; the kernels are in picotron/kernels/):
     FlashAttention every version of flash_attention (attention.VERSIONS), forward and backward, bf16, causal
                    and not: TFLOP/s counted as FlashAttention's benchmarks do (4 b h s^2 d, halved when causal;
                    backward 2.5x), against F.scaled_dot_product_attention (goals: the best version's forward
-                   >= 0.9x SDPA, backward >= 0.7x); the tiles v3's autotuners chose
+                   >= 0.9x SDPA, backward >= 0.7x); the tiles the autotuners chose (version 4's backward is
+                   version 3's: timed again)
 
 Every time is triton.testing.do_bench's median (CUDA events, L2 flushed before each call).
 
@@ -139,6 +140,7 @@ def bench_attention(cases, backward: bool) -> list[dict]:
                 row.update({f"v{version} bwd ms": t, f"v{version} bwd TFLOP/s": flops_bwd / t / 1e9,
                             f"v{version} bwd vs SDPA": t_bwd_sdpa / t})
         row["v3 fwd config"] = tiles(attention_tma.attention_forward_kernel_v3.best_config)
+        row["v4 fwd config"] = tiles(attention_tma.attention_forward_kernel_v4.best_config)
         if backward:
             row["v3 bwd configs"] = (f"dkdv {tiles(attention_tma.attention_backward_dkdv_kernel_v3.best_config)}, "
                                      f"dq {tiles(attention_tma.attention_backward_dq_kernel_v3.best_config)}")
@@ -245,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(fa, ["shape (b, h, s, d)", "causal"]
                 + [f"{name} {part} TFLOP/s" for part in passes for name in ["SDPA"] + versions]
                 + [f"{name} {part} vs SDPA" for part in passes for name in versions]), "\n")
-    print("autotuned: " + "; ".join(f"{r['shape (b, h, s, d)']} causal={r['causal']}: fwd {r['v3 fwd config']}"
+    print("autotuned: " + "; ".join(f"{r['shape (b, h, s, d)']} causal={r['causal']}: fwd v3 {r['v3 fwd config']}, "
+                                    f"v4 {r['v4 fwd config']}"
                                     + (f"; bwd {r['v3 bwd configs']}" if "v3 bwd configs" in r else "")
                                     for r in fa), "\n")
 

@@ -390,17 +390,17 @@ ATTENTION_CASES = [  # (batch, heads, kv_heads, seq_q, seq_k, head_dim, blocks)
 
 
 ATTENTION_CASE_IDS = ["square", "gqa_ragged", "d24_small_blocks", "seq_k_longer"]
-WIDE_KEY_CASES = [  # versions 2 and 3 take any two tiles: key tiles wider than query tiles, the causal split
+WIDE_KEY_CASES = [  # versions 2 to 4 take any two tiles: key tiles wider than query tiles, the causal split
     (1, 4, 2, 70, 70, 16, (16, 32)),           # across several
     (1, 2, 2, 72, 40, 16, (16, 64)),           # and query tiles past the last key
 ]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("case, version", [(case, version) for version in (1, 2, 3) for case in ATTENTION_CASES]
-                         + [(case, version) for version in (2, 3) for case in WIDE_KEY_CASES],
-                         ids=[f"v{version}-{name}" for version in (1, 2, 3) for name in ATTENTION_CASE_IDS]
-                         + [f"v{version}-{name}" for version in (2, 3)
+@pytest.mark.parametrize("case, version", [(case, version) for version in (1, 2, 3, 4) for case in ATTENTION_CASES]
+                         + [(case, version) for version in (2, 3, 4) for case in WIDE_KEY_CASES],
+                         ids=[f"v{version}-{name}" for version in (1, 2, 3, 4) for name in ATTENTION_CASE_IDS]
+                         + [f"v{version}-{name}" for version in (2, 3, 4)
                             for name in ("keys_wider", "keys_wider_seq_q_longer")])
 def test_flash_attention_forward_and_backward(case, version, causal):
     batch, heads, kv_heads, seq_q, seq_k, head_dim, blocks = case
@@ -490,8 +490,8 @@ def test_flash_attention_refuses_bad_shapes():
         flash_attention(q, torch.randn(1, 2, 8, 16, device=DEVICE), torch.randn(1, 2, 8, 16, device=DEVICE))
     with pytest.raises(ValueError, match="powers of two"):
         flash_attention(q, q, q, blocks=(16, 32))
-    with pytest.raises(ValueError, match="version=4; choose one of"):
-        flash_attention(q, q, q, version=4)
+    with pytest.raises(ValueError, match="version=5; choose one of"):
+        flash_attention(q, q, q, version=5)
 
 
 def test_attention_flops():
@@ -569,7 +569,8 @@ COMPILE_ALL = """
         block_m, block_n, warps, stages = attention._blocks(128, element_size=element_size)
         tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
         compile(attention.attention_forward_kernel_v1, typed, tiles, warps, stages)
-        compile(attention_tma.attention_forward_kernel_v2, typed, tiles, warps, stages)
+        compile(attention_tma.attention_forward_kernel_v2, typed, dict(tiles, LEAN=False), warps, stages)
+        compile(attention_tma.attention_forward_kernel_v2, typed, dict(tiles, LEAN=True), warps, stages)   # v4
         block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=element_size)
         tiles = dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision)
         compile(attention.attention_backward_dkdv_kernel_v1, typed, tiles, warps, stages)
@@ -589,7 +590,7 @@ COMPILE_ALL = """
 def test_every_kernel_compiles_for_an_h100():
     done = _python(COMPILE_ALL, TRITON_DEFAULT_FP_FUSION="1")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 26
+    assert done.stdout.count("compiled") == 28
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine picotron.kernels compiles for that GPU")
@@ -604,13 +605,18 @@ def test_compile_report_for_an_h100_shows_what_each_version_changed():
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout)
     reports = {r["name"]: r for r in rows}
-    assert len(rows) == 30 and all(r["arch"] == 90 for r in rows)
+    assert len(rows) == 36 and all(r["arch"] == 90 for r in rows)
     assert all(r["shared_bytes"] <= 227 * 1024 for r in rows), rows
     spilling = {r["name"] for r in rows if r["local_bytes"]}
     assert spilling <= {"attention_backward_dkdv_kernel_v1", "attention_backward_dkdv_kernel_v2"}, rows
-    for name, configs in (("forward", attention_tma.FORWARD_CONFIGS), ("backward_dkdv", attention_tma.DKDV_CONFIGS),
-                          ("backward_dq", attention_tma.DQ_CONFIGS)):   # every config an autotuner may pick
-        assert sum(r["name"] == f"attention_{name}_kernel_v3" for r in rows) == len(configs)
+    for name, configs in (("forward_kernel_v3", attention_tma.FORWARD_CONFIGS),
+                          ("forward_kernel_v4", attention_tma.FORWARD_CONFIGS),
+                          ("backward_dkdv_kernel_v3", attention_tma.DKDV_CONFIGS),
+                          ("backward_dq_kernel_v3", attention_tma.DQ_CONFIGS)):   # every config an autotuner may pick
+        assert sum(r["name"] == f"attention_{name}" for r in rows) == len(configs)
+    v3s, v4s = ([r for r in rows if r["name"] == f"attention_forward_kernel_v{n}"] for n in (3, 4))
+    for v3, v4 in zip(v3s, v4s):        # v4's claim: the same tiles, fewer FP32 instructions, as many exp2s
+        assert v3["tiles"] == v4["tiles"] and v4["fp32_ops"] < v3["fp32_ops"], (v3, v4)
     v1, v2 = reports["attention_forward_kernel_v1"], reports["attention_forward_kernel_v2"]
     assert v1["hgmma"] > 0 and v2["hgmma"] > 0 and v1["hmma"] == v2["hmma"] == 0
     assert v1["tma_loads"] == 0 and v1["global_loads"] > 0
@@ -657,7 +663,7 @@ def test_gpu_rmsnorm_large(dtype):
 
 @gpu_only
 @pytest.mark.parametrize("causal, head_dim, version", [(causal, d, 1) for causal in (True, False) for d in (64, 128)]
-                         + [(True, 128, 2), (True, 128, 3), (False, 64, 3)])   # v3: its autotuned tiles, compiled
+                         + [(True, 128, 2), (True, 128, 3), (False, 64, 3), (True, 128, 4)])   # autotuned, compiled
 def test_gpu_flash_attention_bf16(causal, head_dim, version):
     torch.manual_seed(0)
     q = torch.randn(2, 8, 1024, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -14,9 +14,10 @@ docstring lists its versions and what each changes from the one before.
                     `softmax` picks v2 or v3
     rmsnorm.py      rmsnorm_forward_v1, rmsnorm_forward_v2, rmsnorm_backward_v1; `rmsnorm` (autograd), and
                     `TritonRMSNorm`, a drop-in for picotron.model.RMSNorm (same `weight`, `eps`, state dict)
-    attention.py    causal FlashAttention: attention_forward_v1, _v2 (TMA), _v3 (autotuned), attention_backward_v1,
-                    _v2 (TMA), _v3 (P^T directly, autotuned); `flash_attention`
-    attention_tma.py  the kernels of its versions that move tiles by TMA (tensor descriptors): forward v2, v3,
+    attention.py    causal FlashAttention: attention_forward_v1, _v2 (TMA), _v3 (autotuned), _v4 (fewer FP32
+                    operations per score), attention_backward_v1, _v2 (TMA), _v3 (P^T directly, autotuned);
+                    `flash_attention`
+    attention_tma.py  the kernels of its versions that move tiles by TMA (tensor descriptors): forward v2 to v4,
                     backward v2, v3
     flash_attention_torch.py  the same algorithm (FlashAttention-2) tile by tile in plain torch, no Triton:
                     `FlashAttention2`, an autograd.Function with a hand-written tiled backward

@@ -1,5 +1,6 @@
-"""FlashAttention kernels that move their tiles through tensor descriptors (TMA on Hopper): forward v2 and v3,
-backward v2 and v3. Their launchers, and what each version changes, are in attention.py (chapters/09_gpu_kernels.ipynb).
+"""FlashAttention kernels that move their tiles through tensor descriptors (TMA on Hopper): forward v2, v3 and
+v4, backward v2 and v3. Their launchers, and what each version changes, are in attention.py
+(chapters/09_gpu_kernels.ipynb).
 
 A descriptor (tl.make_tensor_descriptor) knows a tensor's shape and strides; a load or store names a tile by its
 corner. Compiled for sm_90 each is one TMA instruction, which copies the tile between HBM and shared memory
@@ -14,9 +15,9 @@ import triton.language as tl
 
 from picotron.kernels.runtime import INTERPRETED
 
-__all__ = ["attention_forward_kernel_v2", "attention_forward_kernel_v3", "FORWARD_CONFIGS",
-           "attention_backward_dkdv_kernel_v2", "attention_backward_dq_kernel_v2", "attention_backward_dkdv_kernel_v3",
-           "attention_backward_dq_kernel_v3", "DKDV_CONFIGS", "DQ_CONFIGS"]
+__all__ = ["attention_forward_kernel_v2", "attention_forward_kernel_v3", "attention_forward_kernel_v4",
+           "FORWARD_CONFIGS", "attention_backward_dkdv_kernel_v2", "attention_backward_dq_kernel_v2",
+           "attention_backward_dkdv_kernel_v3", "attention_backward_dq_kernel_v3", "DKDV_CONFIGS", "DQ_CONFIGS"]
 
 
 # ---- forward v2: tiles through tensor descriptors (TMA on Hopper) -------------------------------
@@ -31,25 +32,42 @@ def _tiles_of(ptr, batches, heads, seq, head_dim, stride_b, stride_h, stride_s, 
 
 @triton.jit
 def _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, lo, hi, qk_scale,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                      DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                      LEAN: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """v1's loop, the K and V tiles read through descriptors: no address arithmetic, no load masks (rows past
-    seq_k and columns past head_dim come back as zeros)."""
+    seq_k and columns past head_dim come back as zeros). MASK: the tiles on the diagonal (v2), or (LEAN) the
+    tiles that need any mask, causal or past seq_k.
+
+    LEAN (v4) spends fewer instructions on each score. On an H100 the tensor cores do the tile's two dots in
+    about the time the FP32 units take for a handful of operations per score, so each operation counts:
+    v2 multiplies every score by the scale, then masks it (a compare and a select, on every tile, for the keys
+    past seq_k), then subtracts the max; v4 masks only the tiles that need it and scales in the exponent's own
+    fused multiply-add, exp2(s * scale - m), with the max scaled once per row."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         k = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         v = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = offs_n[None, :] < seq_k                        # zero-padded keys past the end: not keys
-        if CAUSAL_MASK:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if LEAN:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                 # unscaled
+            if MASK:
+                visible = offs_n[None, :] < seq_k
+                if CAUSAL:
+                    visible = visible & (offs_n[None, :] <= offs_m[:, None])
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)                 # scale > 0: max commutes
+            p = tl.exp2(s * qk_scale - m_new[:, None])                           # one FMA, then exp2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            visible = offs_n[None, :] < seq_k                        # zero-padded keys past the end: not keys
+            if MASK:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -62,7 +80,9 @@ def attention_forward_kernel_v2(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
                                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                                 batches, n_heads, kv_heads, group, seq_q, seq_k, head_dim, qk_scale,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                                CAUSAL: tl.constexpr, LEAN: tl.constexpr, DOT_FP32: tl.constexpr,
+                                PRECISION: tl.constexpr):
+    # LEAN: v4's loop (_attend_blocks_v2), and only the tiles that need a mask get one.
     start_m = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // n_heads
     head = tl.program_id(1) % n_heads
@@ -81,17 +101,23 @@ def attention_forward_kernel_v2(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:   # as v1, split at the start of the key block holding start_m (any BLOCK_M and BLOCK_N)
+    # Key tiles [0, mid) go unmasked, [mid, end) masked. Causal: as v1, split at the start of the key tile holding
+    # start_m (any BLOCK_M and BLOCK_N), and keys past the tile's last row are never seen. LEAN: the unmasked
+    # part is whole tiles only, so the keys past seq_k are masked in the last tile alone.
+    if CAUSAL:
         mid = (start_m // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, 0,
-                                          tl.minimum(mid, seq_k), qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32,
-                                          PRECISION)
-        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, mid,
-                                          tl.minimum(start_m + BLOCK_M, seq_k), qk_scale, BLOCK_N, BLOCK_D, True,
-                                          DOT_FP32, PRECISION)
+        end = tl.minimum(start_m + BLOCK_M, seq_k)
     else:
-        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, 0, seq_k,
-                                          qk_scale, BLOCK_N, BLOCK_D, False, DOT_FP32, PRECISION)
+        mid = seq_k
+        end = seq_k
+    if LEAN:
+        mid = tl.minimum(mid, (seq_k // BLOCK_N) * BLOCK_N)
+    acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, 0,
+                                      tl.minimum(mid, seq_k), qk_scale, BLOCK_N, BLOCK_D, False, CAUSAL, LEAN,
+                                      DOT_FP32, PRECISION)
+    if CAUSAL or LEAN:
+        acc, l_i, m_i = _attend_blocks_v2(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, seq_k, mid, end,
+                                          qk_scale, BLOCK_N, BLOCK_D, True, CAUSAL, LEAN, DOT_FP32, PRECISION)
     out = acc / l_i[:, None]
     o_desc.store([batch, head, start_m, 0], out.to(o_ptr.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
     lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
@@ -108,6 +134,10 @@ FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_
                                       (128, 32, 4, 4), (256, 32, 8, 3))]
 attention_forward_kernel_v3 = triton.autotune(
     configs=[triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)] if INTERPRETED
+    else FORWARD_CONFIGS, key=["seq_q", "seq_k", "head_dim", "CAUSAL"])(attention_forward_kernel_v2)
+# ---- forward v4: v3 with fewer instructions per score (LEAN: masks where needed, the scale in exp2's FMA) ----
+attention_forward_kernel_v4 = triton.autotune(   # launched with LEAN=True
+    configs=[triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=1)] if INTERPRETED
     else FORWARD_CONFIGS, key=["seq_q", "seq_k", "head_dim", "CAUSAL"])(attention_forward_kernel_v2)
 
 

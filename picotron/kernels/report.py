@@ -22,6 +22,8 @@ Per kernel version, with the tile sizes and warps its launcher picks for a typic
     UTMALDG       TMA loads: the tensor-memory accelerator copies a whole tile from HBM to shared memory
     LDGSTS        cp.async: global-to-shared copies that do not block the thread (software pipelining)
     LDG           plain global loads into registers
+    FP32 ops      FP32 arithmetic (FMUL, FADD, FFMA, FSEL, FMNMX, FSETP, F2FP): the softmax's work beside the
+                  exp2s, which run on the special-function units (MUFU); counted in the code, not per run
 
 These are predictions, not measurements: they say what a change did to the code (a tl.dot that became wgmma,
 loads that became TMA, spills that appeared), which is how a kernel is improved when no GPU is at hand. The
@@ -44,6 +46,7 @@ __all__ = ["CompileReport", "compile_report", "h100_builds", "main"]
 
 INSTRUCTIONS = {"hgmma": "HGMMA", "hmma": "HMMA", "tma_loads": "UTMALDG", "async_copies": "LDGSTS",
                 "global_loads": "LDG"}
+FP32_OPS = ("FMUL", "FADD", "FFMA", "FSEL", "FMNMX", "FSETP", "F2FP")   # the FP32 units' work, exp2 (MUFU) aside
 
 
 @dataclass
@@ -62,17 +65,18 @@ class CompileReport:
     tma_loads: int
     async_copies: int
     global_loads: int
+    fp32_ops: int = 0
     tiles: str = ""
 
     def row(self) -> str:
         return (f"| {self.name} | {self.tiles} | {self.warps} | {self.stages} | {self.registers} | "
                 f"{self.local_bytes} | "
                 f"{self.shared_bytes / 1024:.0f} KiB | {self.hgmma} | {self.hmma} | {self.tma_loads} | "
-                f"{self.async_copies} | {self.global_loads} |")
+                f"{self.async_copies} | {self.global_loads} | {self.fp32_ops} |")
 
 
 HEADER = ("| kernel | tiles | warps | stages | registers | local (spill) B | shared | HGMMA | HMMA | UTMALDG | "
-          "LDGSTS | LDG |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "LDGSTS | LDG | FP32 ops |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _cuobjdump(*args: str) -> str:
@@ -128,6 +132,7 @@ def compile_report(kernel, types: dict[str, str], constexprs: dict, warps: int, 
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     counts = {field: sum(op == mnemonic or op.startswith(mnemonic + ".") for op in opcodes)
               for field, mnemonic in INSTRUCTIONS.items()}
+    counts["fp32_ops"] = sum(op.split(".")[0] in FP32_OPS for op in opcodes)
     tiles = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k.startswith(("BLOCK", "ROWS")))
     return CompileReport(name or fn.__name__, arch, warps, stages, registers, local, compiled.metadata.shared,
                          tiles=tiles, **counts)
@@ -163,11 +168,15 @@ def h100_builds() -> list[tuple]:
     tensors.update(lse_ptr=p32, delta_ptr=p32, qk_scale="fp32", scale="fp32")
     flash = dict(BLOCK_D=128, CAUSAL=True, DOT_FP32=False, PRECISION="tf32")
     block_m, block_n, warps, stages = attention._blocks(128, element_size=2)
-    for kernel in (attention.attention_forward_kernel_v1, attention_tma.attention_forward_kernel_v2):
-        builds.append((kernel, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages))
-    for config in attention_tma.FORWARD_CONFIGS:     # forward v3: v2's kernel, each config its autotuner may pick
-        builds.append((attention_tma.attention_forward_kernel_v3, tensors, dict(flash, **config.kwargs),
-                       config.num_warps, config.num_stages))
+    builds.append((attention.attention_forward_kernel_v1, tensors, dict(flash, BLOCK_M=block_m, BLOCK_N=block_n),
+                   warps, stages))
+    builds.append((attention_tma.attention_forward_kernel_v2, tensors,
+                   dict(flash, BLOCK_M=block_m, BLOCK_N=block_n, LEAN=False), warps, stages))
+    for kernel, lean in ((attention_tma.attention_forward_kernel_v3, False),
+                         (attention_tma.attention_forward_kernel_v4, True)):
+        for config in attention_tma.FORWARD_CONFIGS:     # v2's kernel, each config its autotuner may pick
+            builds.append((kernel, tensors, dict(flash, **config.kwargs, LEAN=lean), config.num_warps,
+                           config.num_stages))
     block_m, block_n, warps, stages = attention._blocks(128, backward=True, element_size=2)
     for kernel in (attention.attention_backward_dkdv_kernel_v1, attention.attention_backward_dq_kernel_v1,
                    attention_tma.attention_backward_dkdv_kernel_v2, attention_tma.attention_backward_dq_kernel_v2):
