@@ -492,6 +492,11 @@ def test_flash_attention_refuses_bad_shapes():
         flash_attention(q, q, q, blocks=(16, 32))
     with pytest.raises(ValueError, match="version=5; choose one of"):
         flash_attention(q, q, q, version=5)
+    with pytest.raises(ValueError, match="needs scale >= 0, got -0.5; use version 3"):
+        flash_attention(q, q, q, scale=-0.5, version=4)
+    scores = (q @ q.transpose(-1, -2) * -0.5).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    tolerance.assert_close(flash_attention(q, q, q, scale=-0.5, version=3),         # version 3 takes it
+                           scores.softmax(-1) @ q, n=16 + 2 * 8)
 
 
 def test_attention_flops():

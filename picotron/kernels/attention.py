@@ -47,7 +47,8 @@ kernels of the versions that use tensor descriptors, forward v2 to v4 and backwa
                  configs none.
     forward v4   v3 with fewer instructions per score: only the tiles that need a mask (the diagonal, the last
                  key tile when seq_k is not a whole number of tiles) get one, and the scale moves into the
-                 exponent's fused multiply-add, exp2(s * scale - m), the max scaled once per row. On an H100 a
+                 exponent's fused multiply-add, exp2(s * scale - m), the max scaled once per row (which needs
+                 scale >= 0: a negative one is refused, version 3 takes it). On an H100 a
                  score's dots (4 x head_dim FLOPs at 989 TFLOP/s) take as long as about 17 FP32 operations at
                  head_dim 128 (67 TFLOP/s), and an exp2 costs about 8 of them: v2's scale, select and subtract
                  are each ~6% of the dots' time. Compiled for sm_90, the causal kernel's FP32 instructions fall
@@ -398,6 +399,9 @@ def attention_forward_v4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
                          blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As attention_forward_v3, with fewer instructions per score (v4): only the tiles that need a mask get one,
     and the scale is applied inside exp2's fused multiply-add. blocks: tiles of one's own instead of timing."""
+    if scale is not None and scale < 0:   # max(s) * scale is the max of the scaled scores only for scale >= 0
+        raise ValueError(f"attention_forward_v4 scales each row's maximum instead of every score, which needs "
+                         f"scale >= 0, got {scale}; use version 3 for a negative scale")
     return _forward_autotuned(attention_forward_kernel_v4, q, k, v, causal, scale, lean=True, blocks=blocks)
 
 
