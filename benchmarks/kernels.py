@@ -126,30 +126,41 @@ def bench_attention(cases, backward: bool) -> list[dict]:
             row.update({"SDPA bwd ms": t_bwd_sdpa, "SDPA bwd TFLOP/s": flops_bwd / t_bwd_sdpa / 1e9})
             ref_grads = torch.autograd.grad(ref, (q, k, v), do, retain_graph=True)
         for version, (forward_fn, _) in attention.VERSIONS.items():
-            out = attention.flash_attention(q, k, v, causal=causal, version=version)   # v3: the first call autotunes
-            tolerance.assert_close(out, ref, n=4)          # bf16: P rounded before P V, the result once
+            row[f"v{version} check"] = "ok"
+            try:
+                out = attention.flash_attention(q, k, v, causal=causal, version=version)   # v3, v4: autotunes
+                grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True) if backward else ()
+            except Exception as error:       # a version that does not run is reported, and the others measured
+                row[f"v{version} check"] = f"did not run: {type(error).__name__}: {str(error)[:300]}"
+                continue
+            try:                             # bf16: P (and dS) rounded before their products, the result once
+                tolerance.assert_close(out, ref, n=4, msg="O")
+                for name, mine, theirs in zip("qkv", grads, ref_grads if backward else ()):
+                    tolerance.assert_close(mine, theirs, n=4, msg=f"d{name}")
+            except AssertionError as error:  # timed all the same, and left out of the goals
+                row[f"v{version} check"] = f"WRONG: {str(error)[:300]}"
             with torch.no_grad():
                 t = ms(lambda: forward_fn(q, k, v, causal))
             row.update({f"v{version} fwd ms": t, f"v{version} fwd TFLOP/s": flops / t / 1e9,
                         f"v{version} fwd vs SDPA": t_sdpa / t})
             if backward:
-                grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-                for name, mine, theirs in zip("qkv", grads, ref_grads):   # as tests/test_kernels.py on a GPU
-                    tolerance.assert_close(mine, theirs, n=4, msg=f"d{name}")
                 t = ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
                 row.update({f"v{version} bwd ms": t, f"v{version} bwd TFLOP/s": flops_bwd / t / 1e9,
                             f"v{version} bwd vs SDPA": t_bwd_sdpa / t})
-        row["v3 fwd config"] = tiles(attention_tma.attention_forward_kernel_v3.best_config)
-        row["v4 fwd config"] = tiles(attention_tma.attention_forward_kernel_v4.best_config)
+        row["v3 fwd config"] = tiles(getattr(attention_tma.attention_forward_kernel_v3, "best_config", None))
+        row["v4 fwd config"] = tiles(getattr(attention_tma.attention_forward_kernel_v4, "best_config", None))
         if backward:
-            row["v3 bwd configs"] = (f"dkdv {tiles(attention_tma.attention_backward_dkdv_kernel_v3.best_config)}, "
-                                     f"dq {tiles(attention_tma.attention_backward_dq_kernel_v3.best_config)}")
+            row["v3 bwd configs"] = (
+                f"dkdv {tiles(getattr(attention_tma.attention_backward_dkdv_kernel_v3, 'best_config', None))}, "
+                f"dq {tiles(getattr(attention_tma.attention_backward_dq_kernel_v3, 'best_config', None))}")
         rows.append(row)
     return rows
 
 
 def tiles(config) -> str:
-    """An autotuner's choice, short: BLOCK_M x BLOCK_N, warps, stages."""
+    """An autotuner's choice, short: BLOCK_M x BLOCK_N, warps, stages (or that it chose none)."""
+    if config is None:
+        return "none (did not run)"
     return (f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} {config.num_warps} warps "
             f"{config.num_stages} stages")
 
@@ -247,6 +258,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(fa, ["shape (b, h, s, d)", "causal"]
                 + [f"{name} {part} TFLOP/s" for part in passes for name in ["SDPA"] + versions]
                 + [f"{name} {part} vs SDPA" for part in passes for name in versions]), "\n")
+    for r in fa:
+        for name in versions:
+            if r[f"{name} check"] != "ok":
+                print(f"{r['shape (b, h, s, d)']} causal={r['causal']} {name}: {r[f'{name} check']}")
     print("autotuned: " + "; ".join(f"{r['shape (b, h, s, d)']} causal={r['causal']}: fwd v3 {r['v3 fwd config']}, "
                                     f"v4 {r['v4 fwd config']}"
                                     + (f"; bwd {r['v3 bwd configs']}" if "v3 bwd configs" in r else "")
@@ -258,8 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
         "RMSNorm forward >= 85% of copy peak": min(r["fwd of copy peak"] for r in rn) >= GOAL_BANDWIDTH,
         "RMSNorm backward (v1 or v2) >= 85% of copy peak":
             min(max(r["bwd of copy peak"], r["bwd v2 of copy peak"]) for r in rn) >= GOAL_BANDWIDTH,
-        **{f"flash-attention {part} (best version) >= {GOAL_ATTENTION[part]}x SDPA":
-           min(max(r[f"{name} {part} vs SDPA"] for name in versions) for r in fa) >= GOAL_ATTENTION[part]
+        **{f"flash-attention {part} (best correct version) >= {GOAL_ATTENTION[part]}x SDPA":
+           min(max([r[f"{name} {part} vs SDPA"] for name in versions if r[f"{name} check"] == "ok"], default=0)
+               for r in fa) >= GOAL_ATTENTION[part]
            for part in passes},
     }
     for goal, met in goals.items():
