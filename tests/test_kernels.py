@@ -670,6 +670,9 @@ def test_gpu_rmsnorm_large(dtype):
 @pytest.mark.parametrize("causal, head_dim, version", [(causal, d, 1) for causal in (True, False) for d in (64, 128)]
                          + [(True, 128, 2), (True, 128, 3), (False, 64, 3), (True, 128, 4)])   # autotuned, compiled
 def test_gpu_flash_attention_bf16(causal, head_dim, version):
+    problem = runtime.gpu_problem(capability=(8, 0), shared_kib=132)   # forward v2's 128 x 64 tiles: 129 KiB
+    if version > 1 and problem:
+        pytest.skip(f"versions 2-4 as tuned for an A100/H100: {problem}")
     torch.manual_seed(0)
     q = torch.randn(2, 8, 1024, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 4, 1024, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
