@@ -361,25 +361,7 @@ def attention_forward_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
                          scale: float | None = None,
                          blocks: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As attention_forward_v1, with the tiles moved through tensor descriptors (TMA on Hopper) (v2)."""
-    group = _check_shapes(q, k, v)
-    q, k, v = _last_dim_contiguous(q, k, v)
-    _check_tma(q, k, v)
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
-    block_m, block_n, warps, stages = _blocks(head_dim, element_size=q.element_size())
-    if blocks is not None:
-        block_m, block_n = _checked_blocks(blocks, any_ratio=True)
-    use_device_descriptors()
-    grid = (triton.cdiv(seq_q, block_m), batch * heads)
-    attention_forward_kernel_v2[grid](
-        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        batch, heads, k.shape[1], group, seq_q, seq_k, head_dim, scale * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, LEAN=False,
-        DOT_FP32=INTERPRETED, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
-    return out, lse
+    return _forward_by_descriptors(q, k, v, causal, scale, blocks, version=2)
 
 
 def attention_forward_v3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -389,9 +371,7 @@ def attention_forward_v3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     attention_tma.FORWARD_CONFIGS the first time a (seq_q, seq_k, head_dim, causal) is seen (v3);
     attention_tma.attention_forward_kernel_v3.best_config tells which won. blocks: tiles of one's own instead
     (then it is v2)."""
-    if blocks is not None:
-        return attention_forward_v2(q, k, v, causal, scale, blocks)
-    return _forward_autotuned(attention_forward_kernel_v3, q, k, v, causal, scale, lean=False)
+    return _forward_by_descriptors(q, k, v, causal, scale, blocks, version=3)
 
 
 def attention_forward_v4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -402,11 +382,12 @@ def attention_forward_v4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     if scale is not None and scale < 0:   # max(s) * scale is the max of the scaled scores only for scale >= 0
         raise ValueError(f"attention_forward_v4 scales each row's maximum instead of every score, which needs "
                          f"scale >= 0, got {scale}; use version 3 for a negative scale")
-    return _forward_autotuned(attention_forward_kernel_v4, q, k, v, causal, scale, lean=True, blocks=blocks)
+    return _forward_by_descriptors(q, k, v, causal, scale, blocks, version=4)
 
 
-def _forward_autotuned(kernel, q, k, v, causal, scale, lean: bool, blocks=None):
-    """Forward v3 and v4: v2's kernel through an autotuner (or, given blocks, with those tiles)."""
+def _forward_by_descriptors(q, k, v, causal, scale, blocks, version: int):
+    """Forward v2 to v4: all launch attention_tma's forward kernel; v4 with LEAN; v3 and v4, unless blocks are
+    given, through their autotuners."""
     group = _check_shapes(q, k, v)
     q, k, v = _last_dim_contiguous(q, k, v)
     _check_tma(q, k, v)
@@ -415,15 +396,17 @@ def _forward_autotuned(kernel, q, k, v, causal, scale, lean: bool, blocks=None):
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     use_device_descriptors()
-    tiles = {}
-    if blocks is not None:   # the kernel itself, not its autotuner, with the tiles asked for
-        block_m, block_n = _checked_blocks(blocks, any_ratio=True)
-        _, _, warps, stages = _blocks(head_dim, element_size=q.element_size())
-        kernel, tiles = kernel.fn, dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    kernel, tiles = {3: attention_forward_kernel_v3, 4: attention_forward_kernel_v4}.get(version), {}
+    if kernel is None or blocks is not None:   # the kernel itself, not an autotuner: the launcher's tiles or blocks
+        block_m, block_n, warps, stages = _blocks(head_dim, element_size=q.element_size())
+        if blocks is not None:
+            block_m, block_n = _checked_blocks(blocks, any_ratio=True)
+        kernel, tiles = attention_forward_kernel_v2, dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                                          num_stages=stages)
     kernel[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
         q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         batch, heads, k.shape[1], group, seq_q, k.shape[2], head_dim, scale * LOG2E,
-        BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, LEAN=lean, DOT_FP32=INTERPRETED,
+        BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, LEAN=version == 4, DOT_FP32=INTERPRETED,
         PRECISION=_precision(q.dtype), **tiles)
     return out, lse
 
